@@ -1,0 +1,225 @@
+"""Broker access: one robust connection per service, channels by purpose, topology declares.
+
+Channels:
+- ``publish``: no confirms; the hot path (stage work, collectives, results, replies).
+- ``confirm``: publisher confirms + mandatory; where loss or overload must be seen
+  (requests into the bounded request queue, registration verdicts).
+- ``consume``: manual acks, explicit prefetch per consumer.
+
+Reconnects happen in one place, aio-pika's robust connection; callbacks flip
+``healthy`` so readiness reflects an outage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+
+from shardserve import codec
+from shardserve.errors import CodecError, OverloadedError, UnavailableError
+from shardserve.protocol import Message
+from shardserve.settings import BrokerSettings
+from shardserve.topology import EXCHANGES, Binding, Queue
+
+_logger = logging.getLogger(__name__)
+
+MessageHandler = Callable[[Message, AbstractIncomingMessage], Awaitable[None]]
+
+
+class Broker:
+    """A service's connection to RabbitMQ, with its channels and declared topology."""
+
+    def __init__(self, settings: BrokerSettings, name: str) -> None:
+        self._settings = settings
+        self._name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._publish: AbstractChannel | None = None
+        self._confirm: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._confirm_exchanges: dict[str, AbstractExchange] = {}
+        self._queues: dict[str, AbstractQueue] = {}
+        self._consume_channels: list[AbstractChannel] = []
+        self.healthy = False
+        self.dead_lettered = 0
+        self.reconnects = 0
+
+    async def connect(self) -> None:
+        """Open the connection (the first attempt must succeed) and the channels."""
+        url = self._settings.url
+        sep = "&" if "?" in url else "?"
+        full = f"{url}{sep}heartbeat={self._settings.heartbeat_s}&name={self._name}"
+        self._connection = await aio_pika.connect_robust(
+            full, reconnect_interval=self._settings.reconnect_interval_s
+        )
+        self._connection.close_callbacks.add(self._on_close)
+        self._connection.reconnect_callbacks.add(self._on_reconnect)
+        self._publish = await self._connection.channel(publisher_confirms=False)
+        self._confirm = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        await self._declare_exchanges()
+        self.healthy = True
+
+    def _on_close(self, *_: Any) -> None:
+        if self.healthy:
+            _logger.warning("broker connection %s lost; reconnecting", self._name)
+        self.healthy = False
+
+    def _on_reconnect(self, *_: Any) -> None:
+        self.reconnects += 1
+        self.healthy = True
+        _logger.info("broker connection %s restored (reconnect #%d)", self._name, self.reconnects)
+
+    async def _declare_exchanges(self) -> None:
+        assert self._publish is not None and self._confirm is not None
+        for ex in EXCHANGES:
+            kind = aio_pika.ExchangeType(ex.kind)
+            self._exchanges[ex.name] = await self._publish.declare_exchange(
+                ex.name, kind, durable=ex.durable
+            )
+            self._confirm_exchanges[ex.name] = await self._confirm.get_exchange(ex.name)
+        self._exchanges[""] = self._publish.default_exchange
+        self._confirm_exchanges[""] = self._confirm.default_exchange
+
+    async def declare(self, queue: Queue, bindings: tuple[Binding, ...] = ()) -> AbstractQueue:
+        """Declare a queue and the bindings that target it (idempotent)."""
+        assert self._publish is not None
+        declared = await self._publish.declare_queue(
+            queue.name,
+            durable=queue.durable,
+            exclusive=queue.exclusive,
+            auto_delete=queue.auto_delete,
+            arguments=queue.arguments or None,
+        )
+        for b in bindings:
+            if b.queue == queue.name:
+                await declared.bind(b.exchange, routing_key=b.routing_key)
+        self._queues[queue.name] = declared
+        return declared
+
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        message: Message,
+        *,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
+        deadline: float | None = None,
+        confirm: bool = False,
+    ) -> None:
+        """Encode and publish one message; ``confirm`` waits for the broker to take it."""
+        await self.publish_raw(
+            exchange,
+            routing_key,
+            codec.encode(message),
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            deadline=deadline,
+            confirm=confirm,
+            message_type=message.kind,
+        )
+
+    async def publish_raw(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        correlation_id: str | None = None,
+        reply_to: str | None = None,
+        deadline: float | None = None,
+        confirm: bool = False,
+        message_type: str | None = None,
+    ) -> None:
+        """Publish bytes as they are (already encoded)."""
+        if not self.healthy:
+            raise UnavailableError("message broker is unreachable")
+        msg = aio_pika.Message(
+            body,
+            content_type=codec.CONTENT_TYPE,
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            expiration=_expiration(deadline),
+            type=message_type,
+        )
+        target = (self._confirm_exchanges if confirm else self._exchanges)[exchange]
+        try:
+            await target.publish(
+                msg, routing_key, mandatory=confirm, timeout=self._settings.publish_timeout_s
+            )
+        except aio_pika.exceptions.DeliveryError as exc:
+            raise _delivery_error(exc, exchange, routing_key) from exc
+        except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
+            raise UnavailableError(f"message broker refused the publish: {exc}") from exc
+
+    async def consume(
+        self, queue: str, handler: MessageHandler, *, prefetch: int, exclusive: bool = False
+    ) -> str:
+        """Consume a declared queue on its own channel; bad messages are dead-lettered."""
+        assert self._connection is not None
+        channel = await self._connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        self._consume_channels.append(channel)
+        q = await channel.get_queue(queue, ensure=False)
+
+        async def on_message(incoming: AbstractIncomingMessage) -> None:
+            await self._dispatch(incoming, handler)
+
+        return await q.consume(on_message, exclusive=exclusive)
+
+    async def _dispatch(self, incoming: AbstractIncomingMessage, handler: MessageHandler) -> None:
+        try:
+            message = codec.decode(incoming.body)
+        except CodecError as exc:
+            self.dead_lettered += 1
+            _logger.warning("dead-lettering a message from %s: %s", incoming.routing_key, exc)
+            await incoming.reject(requeue=False)
+            return
+        async with incoming.process(requeue=False, ignore_processed=True):
+            await handler(message, incoming)
+
+    async def close(self) -> None:
+        """Close channels and the connection, in reverse order of opening."""
+        self.healthy = False
+        if self._connection is None:
+            return
+        for channel in reversed(self._consume_channels):
+            await _close_quietly(channel)
+        for channel in (self._confirm, self._publish):
+            if channel is not None:
+                await _close_quietly(channel)
+        await self._connection.close()
+        self._connection = None
+
+
+async def _close_quietly(channel: AbstractChannel) -> None:
+    try:
+        await channel.close()
+    except Exception as exc:  # closing during a broker outage: nothing left to do
+        _logger.debug("channel close failed: %s", exc)
+
+
+def _expiration(deadline: float | None) -> int | None:
+    """Per-message TTL (ms) from an absolute deadline, so late work dies in the queue."""
+    if deadline is None:
+        return None
+    return max(1, int((deadline - time.time()) * 1000))
+
+
+def _delivery_error(exc: Any, exchange: str, key: str) -> Exception:
+    frame = getattr(exc, "frame", None)
+    if frame is not None and type(frame).__name__ == "Nack":
+        return OverloadedError(f"queue behind {exchange or 'default'}:{key} is full")
+    return UnavailableError(f"no queue takes {exchange or 'default'}:{key} (nobody consumes it)")

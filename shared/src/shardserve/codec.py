@@ -1,0 +1,84 @@
+"""msgpack codec for wire messages: no pickle, no ext types, explicit unpack limits.
+
+``encode(message)`` -> bytes and ``decode(bytes)`` -> Message are the only way messages
+are turned into bytes and back. Decoding failures of any sort raise ``CodecError`` so a
+consumer can dead-letter the message and keep running.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+
+from shardserve.errors import CodecError
+from shardserve.protocol import MESSAGE_ADAPTER, SCHEMA_VERSION, Message
+
+CONTENT_TYPE = "application/msgpack"
+
+# The broker's own ceiling is 16 MiB by default (max_message_size); allow up to 512 MiB
+# for deployments that raise it, but never let one message make us allocate more.
+MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+_UNPACK_LIMITS = dict(
+    max_str_len=1024 * 1024,
+    max_bin_len=MAX_MESSAGE_BYTES,
+    max_array_len=1_000_000,
+    max_map_len=100_000,
+    max_ext_len=0,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise CodecError(f"msgpack ext type {code} is not allowed")
+
+
+def encode(message: BaseModel) -> bytes:
+    """Return the msgpack bytes of a wire message."""
+    return msgpack.packb(_to_plain(message), use_bin_type=True)
+
+
+def _to_plain(message: BaseModel) -> dict[str, Any]:
+    # model_dump keeps bytes as bytes and tuples as tuples; msgpack packs both natively.
+    return message.model_dump(mode="python", exclude_defaults=False)
+
+
+def decode(body: bytes) -> Message:
+    """Parse bytes into one of the wire messages, or raise CodecError saying why."""
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise CodecError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        raw = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, ext_hook=_refuse_ext, **_UNPACK_LIMITS
+        )
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types; all mean "bad bytes"
+        raise CodecError(f"not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    return _validate(raw)
+
+
+def _validate(raw: Any) -> Message:
+    if not isinstance(raw, dict):
+        raise CodecError("message is not a map")
+    if raw.get("v") != SCHEMA_VERSION:
+        raise CodecError(f"unsupported schema version {raw.get('v')!r}, expected {SCHEMA_VERSION}")
+    try:
+        return MESSAGE_ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        raise CodecError(f"invalid {raw.get('kind')!r} message: {_short(exc)}") from exc
+
+
+def decode_as(body: bytes, kind: type[M]) -> M:
+    """Decode and require a particular message type."""
+    message = decode(body)
+    if not isinstance(message, kind):
+        raise CodecError(f"expected {kind.__name__}, got {type(message).__name__}")
+    return message
+
+
+def _short(exc: ValidationError) -> str:
+    errors = exc.errors()[:3]
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors)

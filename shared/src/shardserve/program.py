@@ -1,0 +1,143 @@
+"""The stage program interpreter: ONNX segments and collectives over an environment.
+
+Every rank of a stage runs the same program (from group.json) on its own segment files.
+The interpreter is shared by the agent (collectives over RabbitMQ) and by offline
+checks (``LocalGroup`` runs all ranks of a stage in one process), so the numerics that
+tests prove offline are the numerics served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
+
+Env = dict[str, np.ndarray]
+
+
+class SegmentRunner(Protocol):
+    """Something that runs one ONNX segment (an onnxruntime session, in practice)."""
+
+    input_names: tuple[str, ...]
+
+    async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+class Collective(Protocol):
+    """Exchange of one tensor per rank among the ranks of a stage, for step ``step``."""
+
+    async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
+        """Return every rank's array for this step, in rank order (own included)."""
+        ...
+
+
+async def run_stage(
+    stage: StageSpec, runners: Mapping[str, SegmentRunner], inputs: Env, collective: Collective
+) -> Env:
+    """Run ``stage.program`` from ``inputs``; return the stage's declared outputs."""
+    env: Env = dict(inputs)
+    step = 0
+    for op in stage.program:
+        if isinstance(op, RunOp):
+            runner = runners[op.file]
+            feeds = {name: env[name] for name in runner.input_names}
+            env.update(await runner.run(feeds))
+            continue
+        parts = await collective.gather(step, env[op.input])
+        step += 1
+        env[op.output] = combine(op, parts)
+    return {name: env[name] for name in stage.outputs}
+
+
+def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarray:
+    """Concatenate (allgather) or sum in rank order (allreduce): identical bits on every rank."""
+    if isinstance(op, AllGatherOp):
+        return np.concatenate(parts, axis=op.axis)
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+class OrtSegment:
+    """A SegmentRunner over an onnxruntime session, run in a thread off the event loop."""
+
+    def __init__(self, session: object, run_in_thread: bool = True) -> None:
+        self._session = session
+        self.input_names = tuple(i.name for i in session.get_inputs())  # type: ignore[attr-defined]
+        self._output_names = [o.name for o in session.get_outputs()]  # type: ignore[attr-defined]
+        self._threaded = run_in_thread
+
+    def run_sync(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
+        return dict(zip(self._output_names, values, strict=True))
+
+    async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not self._threaded:
+            return self.run_sync(feeds)
+        return await asyncio.to_thread(self.run_sync, feeds)
+
+
+class _LocalCollective:
+    def __init__(self, group: _LocalStageGroup, index: int) -> None:
+        self._group = group
+        self._index = index
+
+    async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
+        return await self._group.contribute(step, self._index, array)
+
+
+class _LocalStageGroup:
+    """In-process collectives for the ranks of one stage (for offline checks)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._parts: dict[int, dict[int, np.ndarray]] = {}
+        self._done: dict[int, asyncio.Event] = {}
+
+    async def contribute(self, step: int, index: int, array: np.ndarray) -> list[np.ndarray]:
+        parts = self._parts.setdefault(step, {})
+        event = self._done.setdefault(step, asyncio.Event())
+        parts[index] = array
+        if len(parts) == self._size:
+            event.set()
+        await event.wait()
+        return [parts[i] for i in range(self._size)]
+
+
+SessionFactory = Callable[[Path], object]
+
+
+def _default_session(path: Path) -> object:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+async def run_group_locally(
+    repo: Path, group: GroupConfig, inputs: Env, session_factory: SessionFactory | None = None
+) -> list[Env]:
+    """Run a whole group in this process: every stage, every rank. Returns, per last-stage
+    rank, its outputs (they must all be equal)."""
+    from shardserve.repository import verify_rank_files
+
+    make = session_factory or _default_session
+    current: Env = dict(inputs)
+    results: list[Env] = []
+    for stage in group.stages:
+        local = _LocalStageGroup(len(stage.ranks))
+        jobs = []
+        for index, rank in enumerate(stage.ranks):
+            files = verify_rank_files(repo, group, rank)
+            runners = {name: OrtSegment(make(path), run_in_thread=False) for name, path in files.items()}
+            jobs.append(run_stage(stage, runners, current, _LocalCollective(local, index)))
+        results = list(await asyncio.gather(*jobs))
+        current = results[0]
+    return results

@@ -1,0 +1,301 @@
+"""Wire messages: frozen pydantic models with a ``Literal`` kind and a schema version.
+
+Every message body on the broker is one of these, msgpack-encoded by ``shardserve.codec``.
+The ``kind`` field is the discriminator; ``v`` is the schema version and must equal
+``SCHEMA_VERSION`` (a consumer dead-letters anything else).
+
+Flow of one request (see README, "Architecture"):
+
+    InferRequest  gateway/other system -> scheduler            (exchange shardserve.requests)
+    StageWork     scheduler -> every rank of one stage         (exchange shardserve.stage)
+    CollectivePart rank -> every rank of its stage             (exchange shardserve.collective)
+    StageResult   rank -> scheduler                            (default exchange, result queue)
+    InferReply    scheduler -> reply_to of the request         (default exchange)
+
+Control plane (exchange shardserve.control): AgentHello/AgentHeartbeat/AgentBye from
+agents, RegistrationVerdict to one agent, SchedulerHello and MeshStatus from the scheduler,
+JobCancel to the ranks of a group.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from shardserve.errors import ErrorCode
+from shardserve.tensors import Tensor
+
+SCHEMA_VERSION = 1
+
+TensorMap = dict[str, Tensor]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: Literal[1] = 1
+
+
+class ErrorInfo(BaseModel):
+    """An error as it travels: a code and a message meant for the caller."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    code: ErrorCode
+    message: str
+
+
+class InstanceResult(BaseModel):
+    """The outcome of one instance: its outputs, or its error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    outputs: TensorMap | None = None
+    error: ErrorInfo | None = None
+
+
+# ---------------------------------------------------------------- inference (public)
+
+
+class InferRequest(_Message):
+    """One call of a servable's method, from a gateway or any other system.
+
+    ``instances`` follows MindSpore Serving: each instance is a dict of named inputs; a
+    KServe v2 request is one instance. ``version`` 0 means the highest ready version.
+    ``deadline`` is absolute (unix seconds). The reply goes to the AMQP ``reply_to``
+    property with ``correlation_id`` = ``id``.
+    """
+
+    kind: Literal["infer.request"] = "infer.request"
+    id: str = Field(min_length=1, max_length=128)
+    servable: str = Field(min_length=1, max_length=128)
+    version: int = Field(default=0, ge=0)
+    method: str = Field(default="predict", min_length=1, max_length=128)
+    instances: tuple[TensorMap, ...] = Field(min_length=1)
+    outputs: tuple[str, ...] | None = None
+    deadline: float
+
+
+class InferReply(_Message):
+    """The single outcome of an InferRequest: per-instance results, or one error."""
+
+    kind: Literal["infer.reply"] = "infer.reply"
+    id: str
+    servable: str
+    version: int = 0
+    method: str = ""
+    instances: tuple[InstanceResult, ...] = ()
+    error: ErrorInfo | None = None
+
+
+# ---------------------------------------------------------------- data plane (internal)
+
+
+class StageWork(_Message):
+    """The input of one job for one pipeline stage; one publish reaches every rank of it.
+
+    A job is one model run: one instance, or several instances batched together.
+    ``digest`` is ``digest_tensors(inputs)``; every rank checks it before running.
+    """
+
+    kind: Literal["stage.work"] = "stage.work"
+    job: str
+    servable: str
+    version: int
+    stage: int = Field(ge=0)
+    inputs: TensorMap
+    digest: str
+    deadline: float
+    result_to: str
+    requests: tuple[str, ...] = ()
+
+
+class StageResult(_Message):
+    """One rank's outcome of a job's stage: the digest of its outputs, and (from the
+    stage's leader rank) the outputs themselves."""
+
+    kind: Literal["stage.result"] = "stage.result"
+    job: str
+    servable: str
+    version: int
+    stage: int
+    rank: int
+    digest: str = ""
+    outputs: TensorMap | None = None
+    error: ErrorInfo | None = None
+    compute_ms: float = 0.0
+    collective_ms: float = 0.0
+
+
+class CollectivePart(_Message):
+    """One rank's contribution to collective ``step`` of a job's stage."""
+
+    kind: Literal["coll.part"] = "coll.part"
+    job: str
+    stage: int
+    step: int
+    rank: int
+    tensor: Tensor
+
+
+# ---------------------------------------------------------------- control plane
+
+
+class _AgentState(_Message):
+    instance: str
+    servable: str
+    version: int
+    rank: int
+    stage: int
+    slice_checksum: str
+    host: str = ""
+    pid: int = 0
+    state: Literal["loading", "ready", "draining"] = "ready"
+    cache: Literal["hit", "miss", "off"] = "off"
+    load_ms: float = 0.0
+    rss_bytes: int = 0
+    inflight: int = 0
+    control_key: str = ""
+
+
+class AgentHello(_AgentState):
+    """An agent asks to join its group (sent at start and when a scheduler says hello)."""
+
+    kind: Literal["agent.hello"] = "agent.hello"
+
+
+class AgentHeartbeat(_AgentState):
+    """An agent is alive; carries its current state."""
+
+    kind: Literal["agent.heartbeat"] = "agent.heartbeat"
+
+
+class AgentBye(_AgentState):
+    """An agent leaves on purpose (drain finished)."""
+
+    kind: Literal["agent.bye"] = "agent.bye"
+
+
+class RegistrationVerdict(_Message):
+    """The scheduler's answer to one agent's hello."""
+
+    kind: Literal["agent.verdict"] = "agent.verdict"
+    instance: str
+    accepted: bool
+    reason: str = ""
+
+
+class SchedulerHello(_Message):
+    """A scheduler started: every agent re-sends its hello."""
+
+    kind: Literal["scheduler.hello"] = "scheduler.hello"
+    scheduler: str
+
+
+class JobCancel(_Message):
+    """Ranks drop a job (waiting collectives included): it already has an outcome."""
+
+    kind: Literal["job.cancel"] = "job.cancel"
+    job: str
+    servable: str
+    version: int
+    reason: str
+
+
+class TensorSpec(BaseModel):
+    """Name, KServe datatype and shape (-1 = any size) of a servable input or output."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+class RankStatus(BaseModel):
+    """What the scheduler knows of one rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    stage: int
+    state: Literal["missing", "loading", "ready", "draining", "lost"]
+    heartbeat_age_s: float | None = None
+    slice_checksum: str = ""
+    cache: str = "off"
+    rss_bytes: int = 0
+    inflight: int = 0
+    host: str = ""
+    pid: int = 0
+
+
+class MethodStatus(BaseModel):
+    """A method of a servable and its signature."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+class ServableStatus(BaseModel):
+    """One version of one servable as the scheduler sees it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    version: int
+    ready: bool
+    reason: str = ""
+    rank_size: int
+    stage_size: int
+    with_batch_dim: bool = False
+    max_batch_size: int = 0
+    methods: tuple[MethodStatus, ...]
+    ranks: tuple[RankStatus, ...]
+    inflight: int = 0
+
+
+class MeshStatus(_Message):
+    """The scheduler's periodic view of every servable, for gateways and `shardserve status`."""
+
+    kind: Literal["mesh.status"] = "mesh.status"
+    scheduler: str
+    time: float
+    servables: tuple[ServableStatus, ...]
+
+
+Message = Annotated[
+    InferRequest
+    | InferReply
+    | StageWork
+    | StageResult
+    | CollectivePart
+    | AgentHello
+    | AgentHeartbeat
+    | AgentBye
+    | RegistrationVerdict
+    | SchedulerHello
+    | JobCancel
+    | MeshStatus,
+    Field(discriminator="kind"),
+]
+
+MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+MESSAGE_TYPES: tuple[type[_Message], ...] = (
+    InferRequest,
+    InferReply,
+    StageWork,
+    StageResult,
+    CollectivePart,
+    AgentHello,
+    AgentHeartbeat,
+    AgentBye,
+    RegistrationVerdict,
+    SchedulerHello,
+    JobCancel,
+    MeshStatus,
+)

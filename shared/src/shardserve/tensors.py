@@ -1,0 +1,137 @@
+"""Tensors on the wire: dtype + shape + raw little-endian bytes, decoded without a copy.
+
+Numeric and bool tensors carry numpy's dtype string (``"<f4"``, ``"|b1"``...). String
+tensors (KServe BYTES) use dtype ``"bytes"`` and the binary-extension layout: each
+element is a 4-byte little-endian length followed by its bytes, row-major.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from shardserve.errors import BadInputError
+
+BYTES_DTYPE = "bytes"
+MAX_RANK = 16
+
+# numpy dtype string -> KServe v2 datatype name, and back.
+DTYPE_TO_DATATYPE: dict[str, str] = {
+    "|b1": "BOOL",
+    "|u1": "UINT8",
+    "<u2": "UINT16",
+    "<u4": "UINT32",
+    "<u8": "UINT64",
+    "|i1": "INT8",
+    "<i2": "INT16",
+    "<i4": "INT32",
+    "<i8": "INT64",
+    "<f2": "FP16",
+    "<f4": "FP32",
+    "<f8": "FP64",
+    BYTES_DTYPE: "BYTES",
+}
+DATATYPE_TO_DTYPE: dict[str, str] = {v: k for k, v in DTYPE_TO_DATATYPE.items()}
+
+
+class Tensor(BaseModel):
+    """A tensor as it travels in a message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPE_TO_DATATYPE:
+            raise ValueError(f"unsupported tensor dtype {value!r}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _sane_shape(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if len(value) > MAX_RANK or any(d < 0 for d in value):
+            raise ValueError(f"invalid tensor shape {list(value)}")
+        return value
+
+    @property
+    def datatype(self) -> str:
+        """KServe v2 datatype name of this tensor."""
+        return DTYPE_TO_DATATYPE[self.dtype]
+
+    def to_numpy(self) -> np.ndarray:
+        """Return a read-only numpy view of the bytes (no copy for numeric dtypes)."""
+        if self.dtype == BYTES_DTYPE:
+            return unpack_bytes_elements(self.data, self.shape)
+        dtype = np.dtype(self.dtype)
+        count = int(np.prod(self.shape, dtype=np.int64))
+        if count * dtype.itemsize != len(self.data):
+            raise BadInputError(
+                f"tensor data has {len(self.data)} bytes, shape {list(self.shape)} "
+                f"of {self.datatype} needs {count * dtype.itemsize}"
+            )
+        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Tensor:
+        """Wrap a numpy array; numeric arrays are made contiguous little-endian first."""
+        if array.dtype == np.object_ or array.dtype.kind in "SU":
+            return cls(dtype=BYTES_DTYPE, shape=array.shape, data=pack_bytes_elements(array))
+        array = np.ascontiguousarray(array)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        dtype = array.dtype.str
+        return cls.model_construct(dtype=dtype, shape=tuple(array.shape), data=array.tobytes())
+
+
+def pack_bytes_elements(array: np.ndarray) -> bytes:
+    """Serialize a string/bytes array as length-prefixed elements (KServe BYTES layout)."""
+    parts: list[bytes] = []
+    for item in array.reshape(-1):
+        raw = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def unpack_bytes_elements(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    """Parse length-prefixed elements into an object array of ``bytes`` of this shape."""
+    count = int(np.prod(shape, dtype=np.int64))
+    items: list[bytes] = []
+    offset = 0
+    view = memoryview(data)
+    for _ in range(count):
+        if offset + 4 > len(data):
+            raise BadInputError("BYTES tensor is shorter than its shape says")
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > len(data):
+            raise BadInputError("BYTES element length runs past the end of the tensor")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    if offset != len(data):
+        raise BadInputError("BYTES tensor has bytes left over after its last element")
+    out = np.empty(count, dtype=np.object_)
+    out[:] = items
+    return out.reshape(shape)
+
+
+def digest_tensors(tensors: Mapping[str, Tensor]) -> str:
+    """Return a digest over names, dtypes, shapes and bytes, independent of dict order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(t.dtype.encode())
+        h.update(repr(t.shape).encode())
+        h.update(len(t.data).to_bytes(8, "little"))
+        h.update(t.data)
+    return h.hexdigest()
