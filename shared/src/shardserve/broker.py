@@ -50,6 +50,7 @@ class Broker:
         self._confirm_exchanges: dict[str, AbstractExchange] = {}
         self._queues: dict[str, AbstractQueue] = {}
         self._consume_channels: list[AbstractChannel] = []
+        self._consumers: dict[str, AbstractQueue] = {}
         self.healthy = False
         self.dead_lettered = 0
         self.reconnects = 0
@@ -177,7 +178,15 @@ class Broker:
         async def on_message(incoming: AbstractIncomingMessage) -> None:
             await self._dispatch(incoming, handler)
 
-        return await q.consume(on_message, exclusive=exclusive)
+        tag = await q.consume(on_message, exclusive=exclusive)
+        self._consumers[tag] = q
+        return tag
+
+    async def cancel(self, consumer_tag: str) -> None:
+        """Stop one consumer; its channel stays open so messages in flight can still be acked."""
+        queue = self._consumers.pop(consumer_tag, None)
+        if queue is not None:
+            await queue.cancel(consumer_tag)
 
     async def _dispatch(self, incoming: AbstractIncomingMessage, handler: MessageHandler) -> None:
         try:

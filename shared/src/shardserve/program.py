@@ -136,7 +136,9 @@ async def run_group_locally(
         jobs = []
         for index, rank in enumerate(stage.ranks):
             files = verify_rank_files(repo, group, rank)
-            runners = {name: OrtSegment(make(path), run_in_thread=False) for name, path in files.items()}
+            runners = {
+                name: OrtSegment(make(path), run_in_thread=False) for name, path in files.items()
+            }
             jobs.append(run_stage(stage, runners, current, _LocalCollective(local, index)))
         results = list(await asyncio.gather(*jobs))
         current = results[0]

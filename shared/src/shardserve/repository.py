@@ -113,8 +113,9 @@ class GroupConfig(_Frozen):
         per_stage = self.rank_size // self.stage_size
         for spec in self.ranks:
             if spec.stage != spec.rank // per_stage:
-                raise ValueError(f"rank {spec.rank} is in stage {spec.stage}, expected "
-                                 f"{spec.rank // per_stage}")
+                raise ValueError(
+                    f"rank {spec.rank} is in stage {spec.stage}, expected {spec.rank // per_stage}"
+                )
         return self
 
     @property
@@ -132,7 +133,9 @@ class GroupConfig(_Frozen):
 def check_rank_stage(rank_size: int, stage_size: int) -> None:
     """Refuse rank/stage combinations that cannot form a pipeline, saying why."""
     if rank_size < 1 or stage_size < 1:
-        raise RepositoryError(f"rank_size and stage_size must be >= 1, got {rank_size}, {stage_size}")
+        raise RepositoryError(
+            f"rank_size and stage_size must be >= 1, got {rank_size}, {stage_size}"
+        )
     if rank_size % stage_size != 0:
         raise RepositoryError(
             f"rank_size must be an integral multiple of stage_size, "
@@ -247,7 +250,11 @@ def rank_table(rank_size: int, host: str = "127.0.0.1") -> dict[str, object]:
     servers: list[dict[str, object]] = []
     for start in range(0, rank_size, 8):
         devices = [
-            {"device_id": str(r - start), "device_ip": f"192.{r - start + 1}.0.1", "rank_id": str(r)}
+            {
+                "device_id": str(r - start),
+                "device_ip": f"192.{r - start + 1}.0.1",
+                "rank_id": str(r),
+            }
             for r in range(start, min(start + 8, rank_size))
         ]
         servers.append({"server_id": host, "device": devices, "host_nic_ip": "reserve"})

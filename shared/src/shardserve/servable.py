@@ -124,7 +124,9 @@ def _as_index_tuple(value: int | tuple[int, ...] | list[int] | None) -> tuple[in
     return items
 
 
-def register_method(output_names: str | list[str] | tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def register_method(
+    output_names: str | list[str] | tuple[str, ...],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as a method; it runs once now, with placeholders."""
     names = (output_names,) if isinstance(output_names, str) else tuple(output_names)
 
@@ -155,7 +157,9 @@ def _record_method(fn: Callable[..., Any], output_names: tuple[str, ...]) -> Met
         )
     if not all(isinstance(o, Placeholder) for o in outputs):
         raise ValueError(f"method {fn.__name__!r} must return values produced by add_stage")
-    return MethodDefinition(fn.__name__, input_names, output_names, tuple(recording.stages), outputs)
+    return MethodDefinition(
+        fn.__name__, input_names, output_names, tuple(recording.stages), outputs
+    )
 
 
 def add_stage(
@@ -175,7 +179,9 @@ def add_stage(
     if not isinstance(outputs_count, int) or outputs_count < 1:
         raise ValueError(f"outputs_count must be an int >= 1, got {outputs_count!r}")
     index = len(_recording.stages) + 1
-    label = tag or ("Model" if isinstance(stage, DistributedModel) else getattr(stage, "__name__", "stage"))
+    label = tag or (
+        "Model" if isinstance(stage, DistributedModel) else getattr(stage, "__name__", "stage")
+    )
     _recording.stages.append(Stage(index, stage, tuple(args), outputs_count, batch_size, label))
     outs = tuple(Placeholder(index, i, f"stage{index}_out{i}") for i in range(outputs_count))
     return outs[0] if outputs_count == 1 else outs

@@ -4,17 +4,18 @@ Every exchange, queue name and routing key used anywhere is built here, so the w
 layout can be read (and tested) in one place. ``declare_*`` helpers in
 ``shardserve.broker`` turn these values into declarations.
 
-| exchange (type)              | routing key                      | bound queue(s)                                  |
-|------------------------------|----------------------------------|-------------------------------------------------|
-| shardserve.requests (topic)  | <servable>                       | shardserve.requests (scheduler)                 |
-| shardserve.stage (direct)    | <servable>.<version>.s<stage>    | shardserve.agent.<servable>.<version>.r<rank>   |
-| shardserve.collective (direct)| <servable>.<version>.s<stage>   | shardserve.coll.<servable>.<version>.r<rank>    |
-| shardserve.control (topic)   | agent.hello/heartbeat/bye        | shardserve.scheduler.control                    |
-|                              | scheduler.hello, scheduler.status| per-agent / per-gateway exclusive queues        |
-|                              | agent.<instance>                 | that agent's control queue                      |
-|                              | group.<servable>.<version>       | control queues of that group's agents           |
-| shardserve.dead (fanout)     | -                                | shardserve.dead-letters                         |
-| (default)                    | <queue name>                     | scheduler result queue, gateway reply queues    |
+Exchanges (type) -> routing key -> bound queues:
+
+- shardserve.requests (topic): <servable> -> shardserve.requests (the scheduler)
+- shardserve.stage (direct): <servable>.<version>.s<stage>
+  -> shardserve.agent.<servable>.<version>.r<rank>, for every rank of that stage
+- shardserve.collective (direct): <servable>.<version>.s<stage>
+  -> shardserve.coll.<servable>.<version>.r<rank>, for every rank of that stage
+- shardserve.control (topic): agent.hello|heartbeat|bye -> shardserve.scheduler.control;
+  scheduler.hello, scheduler.status, agent.<instance>, group.<servable>.<version>
+  -> per-agent and per-gateway exclusive queues
+- shardserve.dead (fanout) -> shardserve.dead-letters
+- the default exchange: <queue name> -> scheduler result queue, gateway reply queues
 
 A direct exchange with several queues bound under one key is a multicast: the broker
 copies the bytes, so every rank of a stage receives identical input from ONE publish,
@@ -156,9 +157,9 @@ def agent_control_queue(instance: str) -> Queue:
     return Queue(f"shardserve.agentctl.{instance}", exclusive=True, auto_delete=True)
 
 
-def agent_bindings(servable: str, version: int, rank: int, stage: int, instance: str) -> tuple[
-    Binding, ...
-]:
+def agent_bindings(
+    servable: str, version: int, rank: int, stage: int, instance: str
+) -> tuple[Binding, ...]:
     key = stage_key(servable, version, stage)
     control = agent_control_queue(instance).name
     return (

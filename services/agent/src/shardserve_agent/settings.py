@@ -1,0 +1,146 @@
+"""Agent settings: the command line, with defaults from ``SHARDSERVE_AGENT_*`` variables.
+
+Read once in ``__main__``; everything else receives the frozen ``AgentSettings``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardserve.settings import BrokerSettings
+
+ENV_PREFIX = "SHARDSERVE_AGENT_"
+
+MEMORY_HELP = (
+    "cap the agent's address space (RLIMIT_AS) at N MiB before loading its slice; a slice "
+    "that does not fit ends the agent with exit code 1 and a message saying so. RLIMIT_AS "
+    "counts virtual memory, not RSS: Python + numpy + onnxruntime + aio-pika already reserve "
+    "about 1.1 GiB of address space with --threads 1 before any weights are loaded (each extra "
+    "onnxruntime thread adds ~10-70 MiB of stack/arena reservations), so caps below ~1200 MiB "
+    "fail even for tiny slices; plan for that base plus about 3x the slice size on disk."
+)
+CACHE_DIR_HELP = (
+    "folder of this rank's compile cache (optimized ONNX graphs). Default: "
+    "$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<rank> (XDG_CACHE_HOME defaults "
+    "to ~/.cache), so the model repository can stay read-only. An unwritable folder only "
+    "disables the cache, with a warning."
+)
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Everything an agent needs to know, decided once at start."""
+
+    repository: Path
+    servable: str
+    rank: int
+    version: int | None = None  # None: the highest version in the repository
+    threads: int = 1
+    cache_dir: Path | None = None  # None: the default folder (see CACHE_DIR_HELP)
+    use_cache: bool = True
+    max_memory_mb: int | None = None
+    heartbeat_interval: float = 1.0
+    drain_seconds: float = 10.0
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+
+    def default_cache_dir(self, version: int, environ: Mapping[str, str] | None = None) -> Path:
+        env = os.environ if environ is None else environ
+        base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return base / "shardserve" / self.servable / str(version) / f"rank_{self.rank}"
+
+    def resolved_cache_dir(self, version: int) -> Path | None:
+        """The compile cache folder, or None when the cache is off."""
+        if not self.use_cache:
+            return None
+        return self.cache_dir or self.default_cache_dir(version)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None:
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The agent's command line; every option defaults from SHARDSERVE_AGENT_<OPTION>."""
+    env = os.environ if environ is None else environ
+
+    def default(name: str) -> str | None:
+        return env.get(ENV_PREFIX + name)
+
+    parser = argparse.ArgumentParser(
+        prog="shardserve_agent",
+        description="Serve one rank of a servable: load its ONNX slice, run stage work, "
+        "exchange collectives with the stage's other ranks over RabbitMQ.",
+    )
+    add = parser.add_argument
+    repo_default, servable_default, rank_default = (
+        default("REPOSITORY"), default("SERVABLE"), default("RANK"),
+    )
+    add("--repository", type=Path, default=repo_default, required=repo_default is None,
+        help="model repository folder")
+    add("--servable", default=servable_default, required=servable_default is None,
+        help="servable name (a folder of the repository)")
+    add("--version", type=_positive_int, default=default("VERSION"),
+        help="servable version (default: the highest in the repository)")
+    add("--rank", type=_non_negative_int, default=rank_default, required=rank_default is None,
+        help="the rank this agent serves")
+    add("--threads", type=_positive_int, default=default("THREADS") or 1,
+        help="onnxruntime intra-op threads per session (default 1)")
+    add("--cache-dir", type=Path, default=default("CACHE_DIR"), help=CACHE_DIR_HELP)
+    add("--no-cache", dest="use_cache", action="store_false",
+        default=_env_bool(env, "CACHE", True), help="do not use the compile cache")
+    add("--max-memory-mb", type=_positive_int, default=default("MAX_MEMORY_MB"), help=MEMORY_HELP)
+    add("--heartbeat-interval", type=_positive_float,
+        default=default("HEARTBEAT_INTERVAL") or 1.0, help="seconds between heartbeats")
+    add("--drain-seconds", type=float, default=default("DRAIN_SECONDS") or 10.0,
+        help="on SIGTERM, how long the job in flight may take to finish (default 10)")
+    return parser
+
+
+def parse_settings(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> AgentSettings:
+    """Parse the command line (exits with code 2 on a usage error)."""
+    env = os.environ if environ is None else environ
+    args = build_parser(env).parse_args(argv)
+    # argparse applies ``type`` to string defaults, so env values are checked the same way.
+    return AgentSettings(
+        repository=args.repository,
+        servable=args.servable,
+        rank=int(args.rank),
+        version=None if args.version is None else int(args.version),
+        threads=int(args.threads),
+        cache_dir=args.cache_dir,
+        use_cache=bool(args.use_cache),
+        max_memory_mb=None if args.max_memory_mb is None else int(args.max_memory_mb),
+        heartbeat_interval=float(args.heartbeat_interval),
+        drain_seconds=max(0.0, float(args.drain_seconds)),
+        broker=BrokerSettings.from_env(dict(env)),
+    )

@@ -1,0 +1,406 @@
+"""What every exporter shares: deterministic ONNX building and the repository writer.
+
+Exporters describe a servable version as an ``ExportPlan`` (stages, programs, signature)
+plus a function giving each rank's segments; ``write_version`` writes the rank folders
+(only that rank's files), group.json with per-rank sha256, rank_table.json and
+servable_config.py. ONNX files are byte-for-byte reproducible: opset and IR version are
+pinned, the producer is fixed, node names are counters, serialization is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from shardserve.errors import ExportError
+from shardserve.protocol import TensorSpec
+from shardserve.repository import (
+    RANK_TABLE_FILE,
+    SERVABLE_CONFIG_FILE,
+    GroupConfig,
+    ProgramOp,
+    RankSpec,
+    StageSpec,
+    rank_checksum,
+    rank_table,
+    sha256_file,
+    write_group,
+)
+
+Progress = Callable[[str], None]
+"""Receives one human-readable line per step of an export (e.g. per rank written)."""
+
+OPSET = 17
+IR_VERSION = 8  # the IR version that goes with opset 17; every onnxruntime >= 1.13 reads it
+PRODUCER_NAME = "shardserve.export"
+PRODUCER_VERSION = "1"  # bumped only when exported bytes change on purpose
+ORIGIN_VALUE = str | int | float | bool
+Shape = Sequence[int | str]  # str = a named dynamic dimension (ONNX dim_param)
+
+_SERVABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_DATATYPE_TO_ONNX = {"FP32": TensorProto.FLOAT, "FP16": TensorProto.FLOAT16,
+                     "FP64": TensorProto.DOUBLE, "INT64": TensorProto.INT64,
+                     "INT32": TensorProto.INT32, "BOOL": TensorProto.BOOL}
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_layout(rank_size: int, stage_size: int) -> int:
+    """Refuse impossible rank/stage combinations; return the ranks per stage."""
+    if rank_size < 1 or stage_size < 1:
+        raise ExportError(f"rank_size and stage_size must be >= 1, got {rank_size}, {stage_size}")
+    if rank_size % stage_size != 0:
+        raise ExportError(
+            f"rank_size {rank_size} is not a multiple of stage_size {stage_size}: "
+            f"every pipeline stage needs the same number of ranks"
+        )
+    return rank_size // stage_size
+
+
+def check_divides(total: int, parts: int, what: str) -> None:
+    """Refuse a split that leaves ranks with unequal shares, e.g.
+    ``check_divides(16, 32, "column strategy splits 16 weight columns")``."""
+    if total % parts != 0:
+        raise ExportError(f"{what}; {parts} ranks per stage do not divide {total}")
+
+
+def check_servable_name(name: str, version: int) -> None:
+    if not _SERVABLE_NAME.match(name):
+        raise ExportError(
+            f"servable name {name!r} must be letters, digits, '_', '-' or '.', "
+            f"not starting with '.' or '-'"
+        )
+    if version < 1:
+        raise ExportError(f"version must be >= 1, got {version}")
+
+
+def split_range(total: int, parts: int, index: int) -> slice:
+    """The ``index``-th of ``parts`` equal, contiguous shares of ``range(total)``."""
+    share = total // parts
+    return slice(index * share, (index + 1) * share)
+
+
+def stage_ranks(rank_size: int, stage_size: int, stage: int) -> tuple[int, ...]:
+    """The ranks of a stage: consecutive, as in group.json (rank // ranks_per_stage)."""
+    per_stage = rank_size // stage_size
+    return tuple(range(stage * per_stage, (stage + 1) * per_stage))
+
+
+# ---------------------------------------------------------------- ONNX building
+
+
+@dataclass
+class GraphBuilder:
+    """Builds one ONNX graph with deterministic node and tensor names.
+
+    ``op`` returns the name of its (first) output, so graphs read like expressions::
+
+        g = GraphBuilder("seg0")
+        h = g.op("MatMul", "x", g.constant("w", weight))
+        g.op("Neg", h, out="y")
+        model = g.build(inputs=[("x", [128, 96])], outputs=[("y", [128, 16])])
+    """
+
+    name: str
+    _nodes: list[onnx.NodeProto] = field(default_factory=list)
+    _initializers: list[onnx.TensorProto] = field(default_factory=list)
+    _names: set[str] = field(default_factory=set)
+
+    def fresh(self, hint: str) -> str:
+        """A tensor name not used yet in this graph (hint, hint_1, hint_2...)."""
+        candidate, n = hint, 0
+        while candidate in self._names:
+            n += 1
+            candidate = f"{hint}_{n}"
+        self._names.add(candidate)
+        return candidate
+
+    def constant(self, hint: str, value: np.ndarray) -> str:
+        """Add an initializer (weights, slice bounds...); returns its name."""
+        name = self.fresh(hint)
+        self._initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def ints(self, hint: str, values: Sequence[int]) -> str:
+        return self.constant(hint, np.asarray(values, dtype=np.int64))
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
+        """Append one node; returns its output name (``out`` or a fresh one)."""
+        output = out if out is not None else self.fresh(op_type.lower())
+        if out is not None:
+            self._names.add(out)
+        node_name = f"{op_type}_{len(self._nodes)}"
+        self._nodes.append(helper.make_node(op_type, list(inputs), [output], node_name, **attrs))
+        return output
+
+    def op_n(self, op_type: str, *inputs: str, outputs: int, **attrs: object) -> list[str]:
+        """Append one node with several outputs (Split, TopK...); returns their names."""
+        names = [self.fresh(f"{op_type.lower()}_out{i}") for i in range(outputs)]
+        node_name = f"{op_type}_{len(self._nodes)}"
+        self._nodes.append(helper.make_node(op_type, list(inputs), names, node_name, **attrs))
+        return names
+
+    def slice_axis(self, source: str, axis: int, part: slice, out: str | None = None) -> str:
+        """``source[..., part, ...]`` along ``axis`` (a Slice node with constant bounds)."""
+        starts = self.ints("starts", [part.start])
+        ends = self.ints("ends", [part.stop])
+        axes = self.ints("axes", [axis])
+        return self.op("Slice", source, starts, ends, axes, out=out)
+
+    def build(
+        self,
+        inputs: Sequence[tuple[str, Shape]],
+        outputs: Sequence[tuple[str, Shape]],
+        dtypes: Mapping[str, int] | None = None,
+    ) -> onnx.ModelProto:
+        """The finished model, checked by onnx (including shape inference). Graph inputs
+        and outputs are float32 unless ``dtypes`` maps their name to an ONNX elem type."""
+        types = dtypes or {}
+
+        def info(name: str, shape: Shape) -> onnx.ValueInfoProto:
+            elem = types.get(name, TensorProto.FLOAT)
+            return helper.make_tensor_value_info(name, elem, list(shape))
+
+        graph = helper.make_graph(
+            self._nodes,
+            self.name,
+            [info(n, s) for n, s in inputs],
+            [info(n, s) for n, s in outputs],
+            initializer=self._initializers,
+        )
+        return finish_model(graph)
+
+
+def finish_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """Wrap a graph with the pinned opset/IR/producer and check it."""
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+        producer_name=PRODUCER_NAME,
+        producer_version=PRODUCER_VERSION,
+        ir_version=IR_VERSION,
+    )
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        raise ExportError(f"exported graph {graph.name!r} is not valid ONNX: {exc}") from exc
+    return model
+
+
+def model_bytes(model: onnx.ModelProto) -> bytes:
+    """Deterministic serialization (same model -> same bytes, run after run)."""
+    return model.SerializeToString(deterministic=True)
+
+
+def onnx_datatype(spec: TensorSpec) -> int:
+    try:
+        return _DATATYPE_TO_ONNX[spec.datatype]
+    except KeyError:
+        raise ExportError(f"datatype {spec.datatype} of {spec.name!r} is not exportable") from None
+
+
+# ---------------------------------------------------------------- repository writing
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage as group.json lists it (its ranks are derived from the layout)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    program: tuple[ProgramOp, ...]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Everything about a servable version except the segment bytes."""
+
+    servable: str
+    version: int
+    rank_size: int
+    stage_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    stages: tuple[StagePlan, ...]
+    with_batch_dim: bool = False
+    max_batch_size: int = 0
+    origin: Mapping[str, ORIGIN_VALUE] = field(default_factory=dict)
+    method: str = "predict"
+
+    def stage_specs(self) -> tuple[StageSpec, ...]:
+        return tuple(
+            StageSpec(
+                index=i,
+                ranks=stage_ranks(self.rank_size, self.stage_size, i),
+                inputs=s.inputs,
+                outputs=s.outputs,
+                program=s.program,
+            )
+            for i, s in enumerate(self.stages)
+        )
+
+
+SegmentsForRank = Callable[[int], Mapping[str, onnx.ModelProto]]
+"""rank -> {file name: model}; called once per rank, so only one rank's slice is in memory."""
+
+
+def write_version(
+    out: Path,
+    plan: ExportPlan,
+    segments_for_rank: SegmentsForRank,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+) -> GroupConfig:
+    """Write ``out/<servable>/<version>/`` and ``out/<servable>/servable_config.py``.
+
+    The version folder is built under a temporary name and renamed into place, so a
+    reader never sees half a version. An existing version is refused unless ``overwrite``.
+    """
+    check_servable_name(plan.servable, plan.version)
+    check_layout(plan.rank_size, plan.stage_size)
+    servable_dir = out / plan.servable
+    final = servable_dir / str(plan.version)
+    if final.exists() and not overwrite:
+        raise ExportError(f"{final} already exists; choose another version or remove it")
+    staging = servable_dir / f".export-{plan.version}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # ours, left by an interrupted export
+    staging.mkdir(parents=True)
+    try:
+        group = _write_version_files(staging, plan, segments_for_rank, progress)
+        _replace_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    write_text_atomic(servable_dir / SERVABLE_CONFIG_FILE, servable_config_text(plan))
+    _report(progress, f"wrote {final} ({plan.rank_size} ranks, {plan.stage_size} stages)")
+    return group
+
+
+def _write_version_files(
+    folder: Path, plan: ExportPlan, segments_for_rank: SegmentsForRank, progress: Progress | None
+) -> GroupConfig:
+    stages = plan.stage_specs()
+    per_stage = plan.rank_size // plan.stage_size
+    ranks = []
+    for rank in range(plan.rank_size):
+        segments = segments_for_rank(rank)
+        _check_program_files(stages[rank // per_stage], segments, rank)
+        spec = write_rank(folder, rank, rank // per_stage, segments)
+        ranks.append(spec)
+        size = sum((folder / f"rank_{rank}" / n).stat().st_size for n in spec.files)
+        _report(progress, f"rank {rank}/{plan.rank_size}: wrote {', '.join(spec.files)} "
+                          f"({size} bytes)")
+    group = GroupConfig(
+        servable=plan.servable,
+        version=plan.version,
+        rank_size=plan.rank_size,
+        stage_size=plan.stage_size,
+        inputs=plan.inputs,
+        outputs=plan.outputs,
+        with_batch_dim=plan.with_batch_dim,
+        max_batch_size=plan.max_batch_size,
+        stages=stages,
+        ranks=tuple(ranks),
+        origin=dict(plan.origin),
+    )
+    write_group(folder, group)
+    write_text_atomic(folder / RANK_TABLE_FILE,
+                      json.dumps(rank_table(plan.rank_size), indent=2, sort_keys=True) + "\n")
+    return group
+
+
+def _check_program_files(stage: StageSpec, segments: Mapping[str, onnx.ModelProto], rank: int) -> None:
+    """Every file the stage program runs must be among the rank's segments, and vice versa."""
+    needed = {op.file for op in stage.program if op.op == "run"}
+    if needed != set(segments):
+        raise ExportError(
+            f"rank {rank}: stage {stage.index} program runs {sorted(needed)}, "
+            f"but the exporter produced {sorted(segments)}"
+        )
+
+
+def write_rank(
+    version_folder: Path, rank: int, stage: int, segments: Mapping[str, onnx.ModelProto]
+) -> RankSpec:
+    """Write ``rank_<rank>/<file>`` for each segment; return the RankSpec with sha256s."""
+    folder = version_folder / f"rank_{rank}"
+    folder.mkdir(parents=True, exist_ok=False)
+    files: dict[str, str] = {}
+    for name in sorted(segments):
+        if "/" in name or name.startswith("."):
+            raise ExportError(f"segment file name {name!r} must be a plain file name")
+        path = folder / name
+        path.write_bytes(model_bytes(segments[name]))
+        files[name] = sha256_file(path)
+    return RankSpec(rank=rank, stage=stage, files=files, checksum=rank_checksum(files))
+
+
+def servable_config_text(plan: ExportPlan) -> str:
+    """servable_config.py in MindSpore Serving's distributed shape, for this plan."""
+    args = ", ".join(s.name for s in plan.inputs)
+    outs = ", ".join(s.name for s in plan.outputs)
+    names = ", ".join(f'"{s.name}"' for s in plan.outputs)
+    return (
+        f'"""Servable {plan.servable}: written by shardserve.export; '
+        f'edit to add pre/post-processing stages."""\n\n'
+        "from shardserve.servable import add_stage, declare_servable, register_method\n\n"
+        f"model = declare_servable(rank_size={plan.rank_size}, stage_size={plan.stage_size}, "
+        f"with_batch_dim={plan.with_batch_dim})\n\n\n"
+        f"@register_method(output_names=[{names}])\n"
+        f"def {plan.method}({args}):\n"
+        f"    {outs} = add_stage(model, {args}, outputs_count={len(plan.outputs)})\n"
+        f"    return {outs}\n"
+    )
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Move ``staging`` to ``final``; an old ``final`` is moved aside first, then removed."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staging, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _report(progress: Progress | None, line: str) -> None:
+    if progress is not None:
+        progress(line)
+
+
+__all__ = [
+    "IR_VERSION",
+    "OPSET",
+    "ExportPlan",
+    "GraphBuilder",
+    "Progress",
+    "SegmentsForRank",
+    "StagePlan",
+    "check_divides",
+    "check_layout",
+    "check_servable_name",
+    "finish_model",
+    "model_bytes",
+    "onnx_datatype",
+    "servable_config_text",
+    "split_range",
+    "stage_ranks",
+    "write_rank",
+    "write_text_atomic",
+    "write_version",
+]

@@ -1,0 +1,164 @@
+"""Bad input, registration refusals and an unready group, on a running 8-rank mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
+
+
+def post(mesh: Any, path: str, body: Any) -> tuple[int, dict[str, Any], str]:
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        mesh.http_url + path, data=data, method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), exc.headers.get("Content-Type", "")
+
+
+def x_input(**overrides: Any) -> dict[str, Any]:
+    tensor = {"name": "x", "shape": [128, 96], "datatype": "FP32", "data": [1.0] * (128 * 96)}
+    tensor.update(overrides)
+    return tensor
+
+
+BAD_INPUTS = [
+    pytest.param(
+        "/v2/models/nosuch/infer", {"inputs": [x_input()]}, 404, "nosuch", id="unknown-model"
+    ),
+    pytest.param("/v2/models/matmul/infer", {"inputs": []}, 400, "x", id="missing-input"),
+    pytest.param(
+        "/v2/models/matmul/infer",
+        {"inputs": [x_input(), {"name": "z", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
+        400,
+        "z",
+        id="extra-input",
+    ),
+    pytest.param(
+        "/v2/models/matmul/infer",
+        {"inputs": [x_input(shape=[96, 128])]},
+        400,
+        "shape",
+        id="wrong-shape",
+    ),
+    pytest.param(
+        "/v2/models/matmul/infer",
+        {"inputs": [x_input(datatype="INT32", data=[1] * (128 * 96))]},
+        400,
+        "datatype",
+        id="wrong-datatype",
+    ),
+    pytest.param(
+        "/v2/models/matmul/infer",
+        {"inputs": [x_input(data=[1.0] * 100)]},
+        400,
+        "12288",
+        id="data-length",
+    ),
+    pytest.param("/v2/models/matmul/infer", b"{not json", 400, "JSON", id="not-json"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "needle"), BAD_INPUTS)
+def test_bad_input_gets_clear_error(
+    mesh_matmul8: Any, path: str, body: Any, status: int, needle: str
+) -> None:
+    got, reply, content_type = post(mesh_matmul8, path, body)
+    assert got == status, reply
+    assert content_type == "application/json"
+    assert needle.lower() in reply["error"].lower(), reply
+
+
+def test_bad_input_never_reaches_the_broker(mesh_matmul8: Any) -> None:
+    before = published_requests(mesh_matmul8)
+    for _, body, _, _ in (p.values for p in BAD_INPUTS):
+        post(mesh_matmul8, "/v2/models/matmul/infer", body)
+    assert published_requests(mesh_matmul8) == before
+
+
+def published_requests(mesh: Any) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("shardserve_gateway_published_requests_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_agent(mesh: Any, rank: int, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    args = [
+        SHARDSERVE,
+        "agent",
+        "--repository",
+        str(mesh.repo),
+        "--servable",
+        "matmul",
+        "--rank",
+        str(rank),
+        "--no-cache",
+    ]
+    return subprocess.run(args, env=mesh.env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_second_agent_for_a_taken_rank_is_refused(mesh_matmul8: Any) -> None:
+    done = run_agent(mesh_matmul8, 3)
+    assert done.returncode == 3, done.stderr
+    assert "rank 3" in done.stderr and "already" in done.stderr, done.stderr
+    assert "already" in mesh_matmul8.log_tail(400)
+    assert mesh_matmul8.get("/v2/health/ready")[0] == 200  # the real rank 3 is untouched
+
+
+def test_agent_outside_the_group_is_refused(mesh_matmul8: Any) -> None:
+    done = run_agent(mesh_matmul8, 8)
+    assert done.returncode == 3, done.stderr
+    assert "outside" in done.stderr, done.stderr
+    assert "outside" in mesh_matmul8.log_tail(400)
+
+
+def test_hung_rank_makes_group_unready_then_heals(mesh_matmul8: Any) -> None:
+    pid = mesh_matmul8.rank_pid("matmul", 5)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        status, body = wait_for(lambda: mesh_matmul8.get("/v2/models/matmul/ready"), 503, 15)
+        assert "5" in body["error"], body
+        x = np.ones((128, 96), np.float32)
+        body_in = {"inputs": [x_input(data=x.ravel().tolist())]}
+        got, reply, _ = post(mesh_matmul8, "/v2/models/matmul/infer", body_in)
+        assert got == 503 and "5" in reply["error"], reply
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: mesh_matmul8.get("/v2/models/matmul/ready"), 200, 30)
+    got, reply, _ = post(mesh_matmul8, "/v2/models/matmul/infer", {"inputs": [x_input()]})
+    assert got == 200, reply
+
+
+def wait_for(probe: Any, status: int, timeout: float) -> tuple[int, Any]:
+    deadline = time.monotonic() + timeout
+    last: tuple[int, Any] = (0, None)
+    while time.monotonic() < deadline:
+        last = probe()
+        if last[0] == status:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"expected status {status} within {timeout}s, last {last}")
