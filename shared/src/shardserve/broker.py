@@ -206,9 +206,9 @@ class Broker:
             return
         for channel in reversed(self._consume_channels):
             await _close_quietly(channel)
-        for channel in (self._confirm, self._publish):
-            if channel is not None:
-                await _close_quietly(channel)
+        for own in (self._confirm, self._publish):
+            if own is not None:
+                await _close_quietly(own)
         await self._connection.close()
         self._connection = None
 
@@ -220,11 +220,13 @@ async def _close_quietly(channel: AbstractChannel) -> None:
         _logger.debug("channel close failed: %s", exc)
 
 
-def _expiration(deadline: float | None) -> int | None:
-    """Per-message TTL (ms) from an absolute deadline, so late work dies in the queue."""
+def _expiration(deadline: float | None) -> float | None:
+    """Per-message TTL from an absolute deadline, so late work dies in the queue.
+
+    aio-pika takes a number as seconds (and sends milliseconds on the wire)."""
     if deadline is None:
         return None
-    return max(1, int((deadline - time.time()) * 1000))
+    return max(0.001, deadline - time.time())
 
 
 def _delivery_error(exc: Any, exchange: str, key: str) -> Exception:

@@ -136,8 +136,12 @@ async def run_group_locally(
         jobs = []
         for index, rank in enumerate(stage.ranks):
             files = verify_rank_files(repo, group, rank)
+            # Only the segments the program runs: a rank may also hold ONNX external data.
+            runs = {op.file for op in stage.program if isinstance(op, RunOp)}
             runners = {
-                name: OrtSegment(make(path), run_in_thread=False) for name, path in files.items()
+                name: OrtSegment(make(path), run_in_thread=False)
+                for name, path in files.items()
+                if name in runs
             }
             jobs.append(run_stage(stage, runners, current, _LocalCollective(local, index)))
         results = list(await asyncio.gather(*jobs))

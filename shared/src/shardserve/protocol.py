@@ -64,7 +64,8 @@ class InferRequest(_Message):
     ``instances`` follows MindSpore Serving: each instance is a dict of named inputs; a
     KServe v2 request is one instance. ``version`` 0 means the highest ready version.
     ``deadline`` is absolute (unix seconds). The reply goes to the AMQP ``reply_to``
-    property with ``correlation_id`` = ``id``.
+    property, with the ``correlation_id`` the request carried (``id`` is the caller's own
+    request id, for logs; it need not be unique).
     """
 
     kind: Literal["infer.request"] = "infer.request"
@@ -178,12 +179,17 @@ class AgentBye(_AgentState):
 
 
 class RegistrationVerdict(_Message):
-    """The scheduler's answer to one agent's hello."""
+    """The scheduler's answer to one agent's hello.
+
+    ``retry_after_s`` > 0 on a refusal means "the rank's previous holder has not timed out
+    yet": a restarted agent asks again after that long instead of giving up.
+    """
 
     kind: Literal["agent.verdict"] = "agent.verdict"
     instance: str
     accepted: bool
     reason: str = ""
+    retry_after_s: float = 0.0
 
 
 class SchedulerHello(_Message):

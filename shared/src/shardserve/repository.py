@@ -18,14 +18,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardserve.errors import ChecksumError, RepositoryError, UnsafePathError
 from shardserve.protocol import TensorSpec
 
-GROUP_FORMAT = "shardserve.group/1"
+GROUP_FORMAT: Final = "shardserve.group/1"
 GROUP_FILE = "group.json"
 RANK_TABLE_FILE = "rank_table.json"
 SERVABLE_CONFIG_FILE = "servable_config.py"

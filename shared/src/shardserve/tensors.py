@@ -84,11 +84,13 @@ class Tensor(BaseModel):
         """Wrap a numpy array; numeric arrays are made contiguous little-endian first."""
         if array.dtype == np.object_ or array.dtype.kind in "SU":
             return cls(dtype=BYTES_DTYPE, shape=array.shape, data=pack_bytes_elements(array))
+        shape = tuple(array.shape)  # ascontiguousarray turns a 0-d array into shape (1,)
         array = np.ascontiguousarray(array)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        dtype = array.dtype.str
-        return cls.model_construct(dtype=dtype, shape=tuple(array.shape), data=array.tobytes())
+        if array.dtype.str not in DTYPE_TO_DATATYPE:
+            raise BadInputError(f"unsupported tensor dtype {array.dtype}")
+        return cls.model_construct(dtype=array.dtype.str, shape=shape, data=array.tobytes())
 
 
 def pack_bytes_elements(array: np.ndarray) -> bytes:

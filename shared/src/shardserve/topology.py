@@ -12,7 +12,7 @@ Exchanges (type) -> routing key -> bound queues:
 - shardserve.collective (direct): <servable>.<version>.s<stage>
   -> shardserve.coll.<servable>.<version>.r<rank>, for every rank of that stage
 - shardserve.control (topic): agent.hello|heartbeat|bye -> shardserve.scheduler.control;
-  scheduler.hello, scheduler.status, agent.<instance>, group.<servable>.<version>
+  scheduler.hello, scheduler.status, instance.<instance>, group.<servable>.<version>
   -> per-agent and per-gateway exclusive queues
 - shardserve.dead (fanout) -> shardserve.dead-letters
 - the default exchange: <queue name> -> scheduler result queue, gateway reply queues
@@ -137,7 +137,8 @@ def group_key(servable: str, version: int) -> str:
 
 def agent_control_key(instance: str) -> str:
     """Control routing key that reaches one agent instance."""
-    return f"agent.{instance}"
+    # Not under "agent.*": that prefix is what agents publish and the scheduler consumes.
+    return f"instance.{instance}"
 
 
 def agent_work_queue(servable: str, version: int, rank: int) -> Queue:

@@ -166,6 +166,8 @@ class CompileCache:
     def _build(self, path: Path, key: str) -> tuple[ort.InferenceSession, CacheStatus]:
         assert self.folder is not None
         options = self.config.options(optimize=True)
+        # ORT warns that ENABLE_ALL graphs may not suit other hardware: the key holds the CPU.
+        options.log_severity_level = 3
         fd, tmp_name = tempfile.mkstemp(dir=self.folder, prefix=f".{key[:16]}.", suffix=".tmp")
         os.close(fd)
         tmp = Path(tmp_name)
@@ -173,7 +175,9 @@ class CompileCache:
         try:
             session = self._make(path, options)
             self._commit(key, tmp)
-        except OSError as exc:
+        except MemoryError:
+            raise
+        except Exception as exc:  # saving failed (disk full, folder gone...): run uncached
             _logger.warning("compile cache %s not written (%s); running without it", tmp, exc)
             return self._make(path, self.config.options(optimize=True)), "off"
         finally:
@@ -207,6 +211,7 @@ def _usable(folder: Path) -> bool:
         os.unlink(probe)
         return True
     except OSError as exc:
-        _logger.warning("compile cache folder %s is not writable (%s); running without cache",
-                        folder, exc)
+        _logger.warning(
+            "compile cache folder %s is not writable (%s); running without cache", folder, exc
+        )
         return False

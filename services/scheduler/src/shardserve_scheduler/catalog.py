@@ -121,7 +121,10 @@ def load_servable(repo: Path, name: str, versions: list[int]) -> ServableEntry:
             _logger.error("servable %s version %d is unavailable: %s", name, version, exc)
             broken[version] = str(exc)
             continue
-        loaded[version] = build_version(group, definition)
+        if problem:  # listed (so status shows why), but serves nothing
+            loaded[version] = VersionEntry(group, problem=problem)
+        else:
+            loaded[version] = build_version(group, definition)
     return ServableEntry(name, loaded, broken, problem)
 
 
@@ -149,8 +152,14 @@ def build_version(group: GroupConfig, definition: ServableDefinition | None) -> 
             methods[name] = plan_method(group, method)
         except ValueError as exc:
             unsupported[name] = str(exc)
-            _logger.error("%s: method %r of %s v%d is unavailable: %s",
-                          definition.path, name, group.servable, group.version, exc)
+            _logger.error(
+                "%s: method %r of %s v%d is unavailable: %s",
+                definition.path,
+                name,
+                group.servable,
+                group.version,
+                exc,
+            )
     return VersionEntry(group, methods, unsupported)
 
 
@@ -185,8 +194,9 @@ def plan_method(group: GroupConfig, method: MethodDefinition) -> MethodPlan:
                 "stages are not supported by this scheduler yet"
             )
     if len(method.stages) != 1:
-        raise ValueError(f"the method runs the model {len(method.stages)} times; exactly once is "
-                         "supported")
+        raise ValueError(
+            f"the method runs the model {len(method.stages)} times; exactly once is supported"
+        )
     stage = method.stages[0]
     if len(stage.inputs) != len(group.inputs):
         raise ValueError(

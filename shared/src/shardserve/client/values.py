@@ -36,12 +36,24 @@ def as_array(name: str, value: Any) -> np.ndarray:
 
 def datatype_of(name: str, array: np.ndarray) -> str:
     """The KServe datatype of an array (BYTES for object/str/bytes arrays)."""
-    if array.dtype == np.object_ or array.dtype.kind in "SU":
+    if array.dtype == np.object_:
+        _check_bytes_elements(name, array)
+        return DTYPE_TO_DATATYPE[BYTES_DTYPE]
+    if array.dtype.kind in "SU":
         return DTYPE_TO_DATATYPE[BYTES_DTYPE]
     datatype = DTYPE_TO_DATATYPE.get(array.dtype.newbyteorder("<").str)
     if datatype is None:
         raise BadInputError(f"input {name!r} has unsupported dtype {array.dtype}")
     return datatype
+
+
+def _check_bytes_elements(name: str, array: np.ndarray) -> None:
+    for item in array.reshape(-1):
+        if not isinstance(item, str | bytes):
+            raise BadInputError(
+                f"input {name!r} is a BYTES tensor, its elements must be str or bytes, "
+                f"got {type(item).__name__}"
+            )
 
 
 def as_instance(instance: Any) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -47,9 +48,6 @@ ORIGIN_VALUE = str | int | float | bool
 Shape = Sequence[int | str]  # str = a named dynamic dimension (ONNX dim_param)
 
 _SERVABLE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_DATATYPE_TO_ONNX = {"FP32": TensorProto.FLOAT, "FP16": TensorProto.FLOAT16,
-                     "FP64": TensorProto.DOUBLE, "INT64": TensorProto.INT64,
-                     "INT32": TensorProto.INT32, "BOOL": TensorProto.BOOL}
 
 
 # ---------------------------------------------------------------- checks
@@ -134,7 +132,7 @@ class GraphBuilder:
     def ints(self, hint: str, values: Sequence[int]) -> str:
         return self.constant(hint, np.asarray(values, dtype=np.int64))
 
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: object) -> str:
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs: Any) -> str:
         """Append one node; returns its output name (``out`` or a fresh one)."""
         output = out if out is not None else self.fresh(op_type.lower())
         if out is not None:
@@ -143,7 +141,7 @@ class GraphBuilder:
         self._nodes.append(helper.make_node(op_type, list(inputs), [output], node_name, **attrs))
         return output
 
-    def op_n(self, op_type: str, *inputs: str, outputs: int, **attrs: object) -> list[str]:
+    def op_n(self, op_type: str, *inputs: str, outputs: int, **attrs: Any) -> list[str]:
         """Append one node with several outputs (Split, TopK...); returns their names."""
         names = [self.fresh(f"{op_type.lower()}_out{i}") for i in range(outputs)]
         node_name = f"{op_type}_{len(self._nodes)}"
@@ -200,13 +198,6 @@ def finish_model(graph: onnx.GraphProto) -> onnx.ModelProto:
 def model_bytes(model: onnx.ModelProto) -> bytes:
     """Deterministic serialization (same model -> same bytes, run after run)."""
     return model.SerializeToString(deterministic=True)
-
-
-def onnx_datatype(spec: TensorSpec) -> int:
-    try:
-        return _DATATYPE_TO_ONNX[spec.datatype]
-    except KeyError:
-        raise ExportError(f"datatype {spec.datatype} of {spec.name!r} is not exportable") from None
 
 
 # ---------------------------------------------------------------- repository writing
@@ -297,8 +288,9 @@ def _write_version_files(
         spec = write_rank(folder, rank, rank // per_stage, segments)
         ranks.append(spec)
         size = sum((folder / f"rank_{rank}" / n).stat().st_size for n in spec.files)
-        _report(progress, f"rank {rank}/{plan.rank_size}: wrote {', '.join(spec.files)} "
-                          f"({size} bytes)")
+        _report(
+            progress, f"rank {rank}/{plan.rank_size}: wrote {', '.join(spec.files)} ({size} bytes)"
+        )
     group = GroupConfig(
         servable=plan.servable,
         version=plan.version,
@@ -313,12 +305,16 @@ def _write_version_files(
         origin=dict(plan.origin),
     )
     write_group(folder, group)
-    write_text_atomic(folder / RANK_TABLE_FILE,
-                      json.dumps(rank_table(plan.rank_size), indent=2, sort_keys=True) + "\n")
+    write_text_atomic(
+        folder / RANK_TABLE_FILE,
+        json.dumps(rank_table(plan.rank_size), indent=2, sort_keys=True) + "\n",
+    )
     return group
 
 
-def _check_program_files(stage: StageSpec, segments: Mapping[str, onnx.ModelProto], rank: int) -> None:
+def _check_program_files(
+    stage: StageSpec, segments: Mapping[str, onnx.ModelProto], rank: int
+) -> None:
     """Every file the stage program runs must be among the rank's segments, and vice versa."""
     needed = {op.file for op in stage.program if op.op == "run"}
     if needed != set(segments):
@@ -350,8 +346,8 @@ def servable_config_text(plan: ExportPlan) -> str:
     outs = ", ".join(s.name for s in plan.outputs)
     names = ", ".join(f'"{s.name}"' for s in plan.outputs)
     return (
-        f'"""Servable {plan.servable}: written by shardserve.export; '
-        f'edit to add pre/post-processing stages."""\n\n'
+        f'"""Servable {plan.servable}: written by shardserve.export '
+        f'(rewritten by every export of this servable)."""\n\n'
         "from shardserve.servable import add_stage, declare_servable, register_method\n\n"
         f"model = declare_servable(rank_size={plan.rank_size}, stage_size={plan.stage_size}, "
         f"with_batch_dim={plan.with_batch_dim})\n\n\n"
@@ -396,7 +392,6 @@ __all__ = [
     "check_servable_name",
     "finish_model",
     "model_bytes",
-    "onnx_datatype",
     "servable_config_text",
     "split_range",
     "stage_ranks",

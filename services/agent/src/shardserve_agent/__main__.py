@@ -1,0 +1,50 @@
+"""``python -m shardserve_agent``: load this rank's slice, then serve it until SIGTERM.
+
+Exit codes: 0 clean stop, 1 fatal error (e.g. the slice does not load or does not fit the
+memory cap), 2 usage error, 3 registration refused by the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from shardserve.lifecycle import run_service, setup_logging
+from shardserve_agent.service import AgentService
+from shardserve_agent.settings import parse_settings
+from shardserve_agent.slice_loader import SliceTooLargeError, apply_memory_cap, load_slice
+
+_logger = logging.getLogger("shardserve_agent")
+
+EXIT_FATAL = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_settings(argv)
+    setup_logging("agent")
+    try:
+        apply_memory_cap(settings.max_memory_mb)
+        loaded = load_slice(settings)
+    except SliceTooLargeError as exc:
+        _logger.error("%s", exc)
+        return EXIT_FATAL
+    except Exception as exc:  # any load failure is fatal; say what it was
+        _logger.error(
+            "cannot load rank %d of %s: %s: %s",
+            settings.rank,
+            settings.servable,
+            type(exc).__name__,
+            exc,
+        )
+        return EXIT_FATAL
+    service = AgentService(settings, loaded)
+    try:
+        code = run_service(service.run)
+    except Exception:
+        _logger.exception("agent %s failed", service.instance)
+        return EXIT_FATAL
+    return service.exit_code or code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

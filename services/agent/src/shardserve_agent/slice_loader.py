@@ -1,0 +1,158 @@
+"""Load one rank's slice: check its files, then open one onnxruntime session per segment.
+
+Only ``<repo>/<servable>/<version>/rank_<r>/`` is read (plus group.json); other ranks'
+folders are never opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardserve.errors import RepositoryError
+from shardserve.program import OrtSegment
+from shardserve.repository import (
+    GroupConfig,
+    StageSpec,
+    list_versions,
+    load_group,
+    rank_checksum,
+    rank_dir,
+    verify_rank_files,
+)
+from shardserve_agent.cache import CacheStatus, CompileCache, SessionConfig
+from shardserve_agent.settings import AgentSettings
+
+_logger = logging.getLogger(__name__)
+_MIB = 1024 * 1024
+
+
+class SliceTooLargeError(Exception):
+    """The slice does not fit under the configured memory cap."""
+
+
+@dataclass(frozen=True)
+class LoadedSlice:
+    """A rank's slice, ready to run."""
+
+    group: GroupConfig
+    rank: int
+    stage: StageSpec
+    runners: dict[str, OrtSegment]
+    checksum: str
+    cache: CacheStatus
+    load_ms: float
+    disk_bytes: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.leader_of(self.stage.index) == self.rank
+
+
+def resolve_version(repo: Path, servable: str, version: int | None) -> int:
+    """The requested version, or the highest one the repository holds for the servable."""
+    if version is not None:
+        return version
+    versions = list_versions(repo, servable)
+    if not versions:
+        raise RepositoryError(f"servable {servable!r} has no version in repository {repo}")
+    return versions[-1]
+
+
+def apply_memory_cap(max_memory_mb: int | None) -> None:
+    """Cap the address space (RLIMIT_AS); later allocations beyond it fail instead of OOM."""
+    if max_memory_mb is None:
+        return
+    limit = max_memory_mb * _MIB
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def load_slice(settings: AgentSettings) -> LoadedSlice:
+    """Verify this rank's files and open its sessions (raises SliceTooLargeError on a cap)."""
+    try:
+        return _load(settings)
+    except Exception as exc:
+        if settings.max_memory_mb is not None and _is_allocation_failure(exc):
+            raise SliceTooLargeError(
+                f"loading rank {settings.rank} slice ({_disk_bytes(settings) / _MIB:.1f} MB on "
+                f"disk) exceeds the memory cap of {settings.max_memory_mb} MB "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
+        raise
+
+
+def _load(settings: AgentSettings) -> LoadedSlice:
+    version = resolve_version(settings.repository, settings.servable, settings.version)
+    group = load_group(settings.repository, settings.servable, version)
+    files = verify_rank_files(settings.repository, group, settings.rank)
+    disk_bytes = sum(path.stat().st_size for path in files.values())
+    cache = CompileCache(
+        settings.resolved_cache_dir(version),
+        settings.rank,
+        SessionConfig(intra_op_threads=settings.threads, inter_op_threads=1),
+    )
+    started = time.perf_counter()
+    runners, status = _open_sessions(cache, files, group.ranks[settings.rank].files)
+    load_ms = (time.perf_counter() - started) * 1000
+    _logger.info(
+        "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s, %.0f ms",
+        settings.rank,
+        len(runners),
+        disk_bytes / _MIB,
+        status,
+        load_ms,
+    )
+    return LoadedSlice(
+        group=group,
+        rank=settings.rank,
+        stage=group.stage_of(settings.rank),
+        runners=runners,
+        checksum=rank_checksum(group.ranks[settings.rank].files),
+        cache=status,
+        load_ms=load_ms,
+        disk_bytes=disk_bytes,
+    )
+
+
+def _disk_bytes(settings: AgentSettings) -> int:
+    """Size of the rank's folder, for messages (0 if it cannot be read)."""
+    try:
+        version = resolve_version(settings.repository, settings.servable, settings.version)
+        folder = rank_dir(settings.repository, settings.servable, version, settings.rank)
+        return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    except Exception:  # only used to word an error message
+        return 0
+
+
+def _open_sessions(
+    cache: CompileCache, files: dict[str, Path], digests: dict[str, str]
+) -> tuple[dict[str, OrtSegment], CacheStatus]:
+    runners: dict[str, OrtSegment] = {}
+    statuses: list[CacheStatus] = []
+    for name, path in files.items():
+        session, status = cache.open(path, digests[name])
+        runners[name] = OrtSegment(session)
+        statuses.append(status)
+    return runners, _overall(statuses)
+
+
+def _overall(statuses: list[CacheStatus]) -> CacheStatus:
+    """'hit' only if every segment came from the cache; 'off' if none used it."""
+    if not statuses or all(s == "off" for s in statuses):
+        return "off"
+    if all(s == "hit" for s in statuses):
+        return "hit"
+    return "miss"
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("alloc", "memory", "resource temporarily unavailable"))

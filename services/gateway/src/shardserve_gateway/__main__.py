@@ -1,0 +1,80 @@
+"""``python -m shardserve_gateway``: serve HTTP until SIGTERM/SIGINT, then drain and stop.
+
+Shutdown: readiness turns 503 and new inference requests get 503 at once; requests in
+flight get up to ``--drain-seconds`` to finish; then the site stops and the owned
+resources close in reverse order (reply consumer, status consumer, broker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import sys
+
+from aiohttp import web
+
+from shardserve.errors import ShardserveError
+from shardserve.lifecycle import run_service, setup_logging
+from shardserve_gateway.app import create_app
+from shardserve_gateway.settings import GatewaySettings, build_parser
+from shardserve_gateway.state import INFLIGHT_KEY, MESH_VIEW_KEY
+
+_logger = logging.getLogger("shardserve_gateway")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run the gateway, return the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = GatewaySettings.from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"shardserve_gateway: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging("gateway", settings.log_level)
+    try:
+        return run_service(lambda stop: serve(settings, stop))
+    except (ShardserveError, OSError, ConnectionError) as exc:
+        _logger.error("gateway failed: %s", exc)
+        return 1
+
+
+async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
+    """Run the HTTP server until ``stop`` is set, then drain and tear down."""
+    app = create_app(settings)
+    runner = web.AppRunner(app, shutdown_timeout=settings.drain_seconds, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(
+            runner, settings.host, settings.http_port, ssl_context=_ssl_context(settings)
+        )
+        await site.start()
+        _logger.info(
+            "gateway %s listening on %s:%d", settings.gateway_id, settings.host, settings.http_port
+        )
+        await stop.wait()
+        await drain(app, settings.drain_seconds)
+    finally:
+        await runner.cleanup()
+    _logger.info("gateway stopped")
+
+
+async def drain(app: web.Application, seconds: float) -> None:
+    """Stop taking inference work and wait (bounded) for in-flight HTTP requests."""
+    app[MESH_VIEW_KEY].draining = True
+    inflight = app[INFLIGHT_KEY]
+    _logger.info("draining: %d request(s) in flight, waiting up to %.1f s", inflight.count, seconds)
+    if not await inflight.wait_idle(seconds):
+        _logger.warning("drain timed out with %d request(s) still in flight", inflight.count)
+
+
+def _ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return context
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""HTTP-level errors of the gateway itself (not inference outcomes).
+
+Inference outcomes use ``shardserve.errors.InferenceError`` (its ``status`` gives the
+HTTP status). ``HttpError`` covers what happens before a request is even understood:
+401 no/bad token, 413 body too large, 415 unknown content encoding.
+"""
+
+from __future__ import annotations
+
+
+class HttpError(Exception):
+    """An HTTP error answered as ``{"error": message}`` with extra headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+class UnauthorizedError(HttpError):
+    """No bearer token, or one that matches none of the configured tokens."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(401, message, {"WWW-Authenticate": 'Bearer realm="shardserve"'})
+
+
+class PayloadTooLargeError(HttpError):
+    """The body (after decompression) is larger than --max-body-mb."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        super().__init__(
+            413,
+            f"request body is larger than the limit of {_mib(limit_bytes)} "
+            f"(--max-body-mb; the limit applies after decompression)",
+        )
+
+
+class UnsupportedEncodingError(HttpError):
+    """A Content-Encoding other than gzip, deflate or identity."""
+
+    def __init__(self, encoding: str) -> None:
+        super().__init__(
+            415,
+            f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or identity",
+            {"Accept-Encoding": "gzip, deflate"},
+        )
+
+
+def _mib(n: int) -> str:
+    mib = n / (1024 * 1024)
+    return f"{mib:g} MiB" if mib >= 1 else f"{n} bytes"

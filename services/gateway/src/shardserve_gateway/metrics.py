@@ -1,0 +1,116 @@
+"""Prometheus metrics of the gateway, in a small hand-written text exposition.
+
+Counters and the histogram are keyed by (servable, method): names come from the mesh
+status, never from the URL as typed, so unknown models all count as ``_unknown`` and a
+client cannot blow up the label space.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+UNKNOWN = "_unknown"
+
+Labels = tuple[str, str]
+
+
+@dataclass
+class _Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
+        self.total += seconds
+
+
+class Metrics:
+    """Request counts by outcome, latency histogram, in-flight gauge."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str, int], int] = defaultdict(int)
+        self.latency: dict[Labels, _Histogram] = defaultdict(_Histogram)
+        self.inflight = 0
+
+    def observe(self, labels: Labels, status: int, seconds: float) -> None:
+        """Count one finished inference request."""
+        servable, method = labels
+        self.requests[(servable, method, status)] += 1
+        self.latency[labels].observe(seconds)
+
+    def render(self, *, broker_up: bool, status_age_s: float | None, late_replies: int) -> str:
+        """The Prometheus text exposition (version 0.0.4)."""
+        lines = [
+            "# HELP shardserve_gateway_requests_total Inference requests by outcome.",
+            "# TYPE shardserve_gateway_requests_total counter",
+        ]
+        for (servable, method, status), n in sorted(self.requests.items()):
+            lines.append(
+                "shardserve_gateway_requests_total"
+                f"{_labels(servable=servable, method=method, status=str(status))} {n}"
+            )
+        lines += self._render_latency()
+        lines += [
+            "# HELP shardserve_gateway_inflight_requests HTTP requests being handled now.",
+            "# TYPE shardserve_gateway_inflight_requests gauge",
+            f"shardserve_gateway_inflight_requests {self.inflight}",
+            "# HELP shardserve_gateway_broker_up Whether the broker connection is up.",
+            "# TYPE shardserve_gateway_broker_up gauge",
+            f"shardserve_gateway_broker_up {int(broker_up)}",
+            "# HELP shardserve_gateway_late_replies_total Replies that came after the deadline.",
+            "# TYPE shardserve_gateway_late_replies_total counter",
+            f"shardserve_gateway_late_replies_total {late_replies}",
+        ]
+        if status_age_s is not None:
+            lines += [
+                "# HELP shardserve_gateway_status_age_seconds Age of the latest mesh status.",
+                "# TYPE shardserve_gateway_status_age_seconds gauge",
+                f"shardserve_gateway_status_age_seconds {status_age_s:.3f}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    def _render_latency(self) -> list[str]:
+        name = "shardserve_gateway_request_duration_seconds"
+        lines = [
+            f"# HELP {name} Inference request latency as seen by the gateway.",
+            f"# TYPE {name} histogram",
+        ]
+        for (servable, method), hist in sorted(self.latency.items()):
+            cumulative = 0
+            for bound, count in zip(LATENCY_BUCKETS_S, hist.counts, strict=False):
+                cumulative += count
+                le = _labels(servable=servable, method=method, le=f"{bound:g}")
+                lines.append(f"{name}_bucket{le} {cumulative}")
+            cumulative += hist.counts[-1]
+            base = _labels(servable=servable, method=method)
+            inf = _labels(servable=servable, method=method, le="+Inf")
+            lines.append(f"{name}_bucket{inf} {cumulative}")
+            lines.append(f"{name}_sum{base} {hist.total:.6f}")
+            lines.append(f"{name}_count{base} {cumulative}")
+        return lines
+
+
+def _labels(**labels: str) -> str:
+    body = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+    return "{" + body + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,104 @@
+"""Middlewares, outermost first: request context (request id, in-flight count, metrics),
+error translation (every failure becomes one JSON error response), then authentication
+(``auth.py``), which runs before any handler reads a body."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from shardserve.errors import InferenceError
+from shardserve.lifecycle import request_id_var
+from shardserve_gateway.errors import HttpError
+from shardserve_gateway.responses import error_response
+from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY
+
+_logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID = 128
+MINDSPORE_PREFIX = "/model/"
+
+
+def valid_request_id(value: str) -> bool:
+    """1..128 printable ASCII characters (it ends up in logs and on the wire)."""
+    return 0 < len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable()
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id in, request id out; count in-flight requests; record inference metrics."""
+    app = request.app
+    started = time.monotonic()
+    given = request.headers.get(REQUEST_ID_HEADER)
+    request_id = given if given is not None and valid_request_id(given) else uuid.uuid4().hex
+    token = request_id_var.set(request_id)
+    app[INFLIGHT_KEY].enter()
+    app[METRICS_KEY].inflight += 1
+    try:
+        if given is not None and given != request_id:
+            response: web.StreamResponse = _error(
+                request,
+                400,
+                f"{REQUEST_ID_HEADER} must be 1-{MAX_REQUEST_ID} printable ASCII chars",
+            )
+        else:
+            response = await handler(request)
+    finally:
+        app[METRICS_KEY].inflight -= 1
+        app[INFLIGHT_KEY].leave()
+        request_id_var.reset(token)
+    response.headers[REQUEST_ID_HEADER] = request_id
+    labels = request.get(INFER_LABELS_KEY)
+    if labels is not None:
+        app[METRICS_KEY].observe(labels, response.status, time.monotonic() - started)
+    return response
+
+
+@web.middleware
+async def translate_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as ``{"error": ...}`` (``{"error_msg": ...}`` on MindSpore routes)."""
+    try:
+        return await handler(request)
+    except InferenceError as exc:
+        _log_error(exc.status, exc.message)
+        return _error(request, exc.status, exc.message)
+    except HttpError as exc:
+        _log_error(exc.status, exc.message)
+        return _error(request, exc.status, exc.message, exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(request, exc.status, _http_message(request, exc), _allow_header(exc))
+    except Exception:
+        _logger.exception("internal error on %s %s", request.method, request.path)
+        return _error(request, 500, "internal error (see the gateway log)")
+
+
+def _error(
+    request: web.Request, status: int, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    mindspore = request.path.startswith(MINDSPORE_PREFIX)
+    return error_response(status, message, mindspore=mindspore, headers=headers)
+
+
+def _log_error(status: int, message: str) -> None:
+    level = logging.WARNING if status >= 500 else logging.INFO
+    _logger.log(level, "answering %d: %s", status, message)
+
+
+def _http_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route for {request.method} {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} is not allowed on {request.path}"
+    return exc.reason
+
+
+def _allow_header(exc: web.HTTPException) -> dict[str, str]:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow else {}

@@ -1,0 +1,78 @@
+"""What the pure core asks the shell to do: publish, reply, cancel, log.
+
+The core never touches the broker; it returns these, in the order they must happen.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from shardserve import topology
+from shardserve.errors import ErrorCode
+from shardserve.protocol import ErrorInfo, InferReply, InferRequest, JobCancel, StageWork
+
+
+@dataclass(frozen=True)
+class PublishStageWork:
+    """One job's input for one stage; one publish reaches every rank of the stage."""
+
+    work: StageWork
+
+    @property
+    def routing_key(self) -> str:
+        return topology.stage_key(self.work.servable, self.work.version, self.work.stage)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The single outcome of a request, to its reply_to queue."""
+
+    reply_to: str
+    correlation_id: str
+    reply: InferReply
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Tell every rank of a group to drop a job that already has an outcome."""
+
+    cancel: JobCancel
+
+    @property
+    def routing_key(self) -> str:
+        return topology.group_key(self.cancel.servable, self.cancel.version)
+
+
+@dataclass(frozen=True)
+class Log:
+    level: int
+    message: str
+    request_id: str = "-"
+
+
+Action = PublishStageWork | Reply | Cancel | Log
+
+
+def error_reply(
+    request: InferRequest,
+    reply_to: str,
+    correlation_id: str,
+    code: ErrorCode,
+    message: str,
+    *,
+    version: int | None = None,
+) -> Reply:
+    """A reply that carries one error for the whole request."""
+    reply = InferReply(
+        id=request.id,
+        servable=request.servable,
+        version=request.version if version is None else version,
+        method=request.method,
+        error=ErrorInfo(code=code, message=message),
+    )
+    return Reply(reply_to, correlation_id, reply)
+
+
+def debug(message: str, request_id: str = "-") -> Log:
+    return Log(logging.DEBUG, message, request_id)

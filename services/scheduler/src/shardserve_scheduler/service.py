@@ -1,0 +1,341 @@
+"""The scheduler's I/O shell: broker messages in, the pure core's actions out.
+
+Tasks (one TaskGroup owns them): the *sender* executes actions in the order the core
+produced them (so every StageWork leaves from one channel, in order), the *ticker* drives
+heartbeat timeouts and deadlines, the *status* loop broadcasts MeshStatus. Consumers
+(requests, control, results) only call the core and queue its actions.
+
+SIGTERM: stop consuming requests, let open requests finish (bounded by --drain-seconds),
+reply UNAVAILABLE "scheduler shutting down" to the rest, then tear down in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from shardserve import topology
+from shardserve.broker import Broker
+from shardserve.errors import ErrorCode, InferenceError
+from shardserve.lifecycle import request_id_var
+from shardserve.protocol import (
+    AgentBye,
+    AgentHeartbeat,
+    AgentHello,
+    InferRequest,
+    Message,
+    RegistrationVerdict,
+    SchedulerHello,
+    StageResult,
+)
+from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, error_reply
+from shardserve_scheduler.catalog import Catalog, load_catalog
+from shardserve_scheduler.registry import Registry
+from shardserve_scheduler.requests import RequestMachine
+from shardserve_scheduler.resolve import resolve
+from shardserve_scheduler.settings import SchedulerSettings
+from shardserve_scheduler.status import mesh_status
+
+_logger = logging.getLogger(__name__)
+
+TICK_SECONDS = 0.1
+REQUEST_PREFETCH = 256
+CONTROL_PREFETCH = 256
+RESULT_PREFETCH = 1024
+SHUTDOWN_MESSAGE = "scheduler shutting down"
+
+
+class SchedulerService:
+    """One scheduler process: registry + request machine behind a broker connection."""
+
+    def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.time):
+        self.settings = settings
+        self.clock = clock
+        self.catalog: Catalog = load_catalog(settings.repository)
+        self.registry = Registry.build(
+            self.catalog.groups(),
+            clock(),
+            heartbeat_timeout=settings.heartbeat_timeout,
+            wait_agents_seconds=float(settings.wait_agents_seconds),
+        )
+        self.machine = RequestMachine(
+            result_to=topology.SCHEDULER_RESULT_QUEUE,
+            id_prefix=uuid.uuid4().hex[:8],
+            max_inflight=settings.max_inflight,
+        )
+        self.broker = Broker(settings.broker, f"scheduler-{settings.scheduler_id}")
+        self.refused_requests = 0
+        self.dead_lettered_requests = 0
+        self._outbox: asyncio.Queue[Action | None] = asyncio.Queue()
+        self._status_changed = asyncio.Event()
+        self._idle = asyncio.Event()  # set while no request is open (for the drain)
+        self._idle.set()
+        self._readiness = self.registry.readiness()
+        self._request_consumer = ""
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._log_catalog()
+        await self.broker.connect()
+        try:
+            await self._declare()
+            async with asyncio.TaskGroup() as tasks:
+                sender = tasks.create_task(self._send_loop(), name="sender")
+                ticker = tasks.create_task(self._tick_loop(), name="ticker")
+                status = tasks.create_task(self._status_loop(), name="status")
+                await self._start_consuming()
+                _logger.info("scheduler %s ready", self.settings.scheduler_id)
+                await stop.wait()
+                await self._drain()
+                self._outbox.put_nowait(None)  # the sender finishes what is queued, then ends
+                await sender
+                for task in (status, ticker):
+                    task.cancel()
+        finally:
+            await self.broker.close()
+        _logger.info("scheduler stopped")
+
+    async def _declare(self) -> None:
+        bindings = topology.scheduler_bindings()
+        await self.broker.declare(topology.dead_letter_queue(), bindings)
+        await self.broker.declare(topology.request_queue(), bindings)
+        await self.broker.declare(topology.scheduler_control_queue(), bindings)
+        await self.broker.declare(topology.scheduler_result_queue(), bindings)
+
+    async def _start_consuming(self) -> None:
+        await self.broker.consume(
+            topology.SCHEDULER_RESULT_QUEUE, self._on_result, prefetch=RESULT_PREFETCH
+        )
+        await self.broker.consume(
+            topology.SCHEDULER_CONTROL_QUEUE, self._on_control, prefetch=CONTROL_PREFETCH
+        )
+        hello = SchedulerHello(scheduler=self.settings.scheduler_id)
+        await self.broker.publish(topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_HELLO, hello)
+        self._request_consumer = await self.broker.consume(
+            topology.REQUEST_QUEUE, self._on_request, prefetch=REQUEST_PREFETCH
+        )
+
+    async def _drain(self) -> None:
+        """Stop taking requests; give open ones --drain-seconds; refuse the rest."""
+        await self.broker.cancel(self._request_consumer)
+        open_now = self.machine.open_requests
+        _logger.info(
+            "draining: %d request(s) open, waiting up to %g s",
+            open_now,
+            self.settings.drain_seconds,
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), self.settings.drain_seconds)
+        self._closing = True
+        self._emit(self.machine.shutdown(SHUTDOWN_MESSAGE, self.clock()))
+
+    def _log_catalog(self) -> None:
+        for servable in self.catalog.servables.values():
+            for version, entry in sorted(servable.versions.items()):
+                group = entry.group
+                methods = ", ".join(sorted(entry.methods)) or "none"
+                _logger.info(
+                    "%s v%d: rank_size %d, stage_size %d, methods: %s",
+                    servable.name,
+                    version,
+                    group.rank_size,
+                    group.stage_size,
+                    methods,
+                )
+
+    # ------------------------------------------------------------------ consumers
+
+    async def _on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
+        if not isinstance(message, InferRequest) or not incoming.reply_to:
+            await self._dead_letter_request(message, incoming)
+            return
+        token = request_id_var.set(message.id)
+        try:
+            correlation_id = incoming.correlation_id or message.id
+            self._emit(self._admit(message, incoming.reply_to, correlation_id))
+        finally:
+            request_id_var.reset(token)
+
+    def _admit(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:
+        if self._closing:
+            return [
+                error_reply(
+                    request, reply_to, correlation_id, ErrorCode.UNAVAILABLE, SHUTDOWN_MESSAGE
+                )
+            ]
+        try:
+            call = resolve(self.catalog, self.registry, request, reply_to, correlation_id)
+        except InferenceError as exc:
+            self.refused_requests += 1
+            _logger.info("request refused (%s): %s", exc.code.value, exc.message)
+            return [error_reply(request, reply_to, correlation_id, exc.code, exc.message)]
+        return self.machine.accept(call, self.clock())
+
+    async def _dead_letter_request(
+        self, message: Message, incoming: AbstractIncomingMessage
+    ) -> None:
+        self.dead_lettered_requests += 1
+        why = "it has no reply_to" if isinstance(message, InferRequest) else "it is not a request"
+        _logger.warning(
+            "dead-lettering a %s from the request queue: %s (%d so far)",
+            message.kind,
+            why,
+            self.dead_lettered_requests,
+        )
+        await incoming.reject(requeue=False)
+
+    async def _on_result(self, message: Message, incoming: AbstractIncomingMessage) -> None:
+        if not isinstance(message, StageResult):
+            _logger.warning("ignoring a %s on the result queue", message.kind)
+            return
+        self._emit(self.machine.on_result(message, self.clock()))
+
+    async def _on_control(self, message: Message, incoming: AbstractIncomingMessage) -> None:
+        now = self.clock()
+        if isinstance(message, AgentHello):
+            await self._answer_hello(message, now)
+        elif isinstance(message, AgentHeartbeat):
+            self.registry.heartbeat(message, now)
+        elif isinstance(message, AgentBye):
+            loss = self.registry.bye(message)
+            if loss is not None:
+                _logger.info("%s", loss.message)
+                self._emit(
+                    self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now)
+                )
+        else:
+            _logger.debug("ignoring a %s on the control queue", message.kind)
+        self._check_readiness()
+
+    async def _answer_hello(self, hello: AgentHello, now: float) -> None:
+        verdict = self.registry.hello(hello, now)
+        if verdict.accepted:
+            _logger.info(
+                "accepted %s rank %d of %s v%d (host %s, pid %d)",
+                hello.instance,
+                hello.rank,
+                hello.servable,
+                hello.version,
+                hello.host,
+                hello.pid,
+            )
+        else:
+            _logger.warning("refused %s: %s", hello.instance, verdict.reason)
+        answer = RegistrationVerdict(
+            instance=hello.instance,
+            accepted=verdict.accepted,
+            reason=verdict.reason,
+            retry_after_s=verdict.retry_after_s,
+        )
+        key = topology.agent_control_key(hello.instance)
+        try:
+            await self.broker.publish(topology.CONTROL_EXCHANGE, key, answer, confirm=True)
+        except InferenceError as exc:
+            _logger.warning("could not deliver the verdict to %s: %s", hello.instance, exc)
+
+    # ------------------------------------------------------------------ background loops
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            self._tick(self.clock())
+
+    def _tick(self, now: float) -> None:
+        for loss in self.registry.tick(now):
+            _logger.warning("%s", loss.message)
+            self._emit(self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now))
+        for failure in self.registry.expired_waits(now):
+            _logger.error("%s", failure)
+            self._status_changed.set()
+        self._emit(self.machine.tick(now))
+        self._check_readiness()
+
+    def _check_readiness(self) -> None:
+        readiness = self.registry.readiness()
+        if readiness == self._readiness:
+            return
+        for key, ready in sorted(readiness.items()):
+            if self._readiness.get(key) != ready:
+                group = self.registry.groups[key]
+                _logger.info("%s", f"{group.name} is ready" if ready else group.not_ready_reason())
+        self._readiness = readiness
+        self._status_changed.set()
+
+    async def _status_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_changed.wait(), self.settings.status_interval)
+            self._status_changed.clear()
+            await self._publish_status()
+
+    async def _publish_status(self) -> None:
+        status = mesh_status(
+            self.settings.scheduler_id,
+            self.catalog,
+            self.registry,
+            self.machine.inflight,
+            self.clock(),
+        )
+        try:
+            await self.broker.publish(
+                topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_STATUS, status
+            )
+        except InferenceError as exc:
+            _logger.warning("could not publish the mesh status: %s", exc)
+
+    # ------------------------------------------------------------------ actions
+
+    def _emit(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            self._outbox.put_nowait(action)
+        if self.machine.open_requests:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    async def _send_loop(self) -> None:
+        while (action := await self._outbox.get()) is not None:
+            await self._execute(action)
+
+    async def _execute(self, action: Action) -> None:
+        if isinstance(action, Log):
+            token = request_id_var.set(action.request_id)
+            _logger.log(action.level, "%s", action.message)
+            request_id_var.reset(token)
+            return
+        try:
+            await self._publish_action(action)
+        except InferenceError as exc:
+            self._publish_failed(action, exc)
+
+    async def _publish_action(self, action: PublishStageWork | Reply | Cancel) -> None:
+        if isinstance(action, PublishStageWork):
+            work = action.work
+            await self.broker.publish(
+                topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
+            )
+        elif isinstance(action, Reply):
+            await self.broker.publish(
+                "", action.reply_to, action.reply, correlation_id=action.correlation_id
+            )
+        else:
+            await self.broker.publish(topology.CONTROL_EXCHANGE, action.routing_key, action.cancel)
+
+    def _publish_failed(self, action: Action, exc: InferenceError) -> None:
+        if isinstance(action, PublishStageWork):
+            _logger.warning("could not publish job %s: %s", action.work.job, exc)
+            self._emit(self.machine.on_publish_failed(action.work.job, exc.message, self.clock()))
+        elif isinstance(action, Reply):
+            token = request_id_var.set(action.reply.id)
+            _logger.warning("reply to %s lost (the gateway is gone?): %s", action.reply_to, exc)
+            request_id_var.reset(token)
+        else:
+            _logger.warning("could not publish a job cancel: %s", exc)

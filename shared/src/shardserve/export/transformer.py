@@ -1,0 +1,482 @@
+"""A GPT-style decoder, exported tensor parallel inside stages and pipelined across them.
+
+Model: ``input_ids`` INT64 [batch, seq] -> token + position embedding -> ``layers`` blocks
+of (LayerNorm, causal multi-head self-attention, residual, LayerNorm, MLP with the Erf
+form of GELU, residual) -> final LayerNorm -> LM head -> ``logits`` FP32 [batch, seq, vocab].
+Positions are ``wpe[0:seq]`` (a Slice bounded by the input's Shape) and the causal mask
+compares ``Range(0, seq)`` with itself, so batch and sequence are dynamic
+(seq <= max_seq; a longer input fails in onnxruntime with a broadcast error).
+
+Splits. Blocks are spread over ``stage_size`` pipeline stages as evenly as possible (the
+first stages take one more when they do not divide); the embedding runs in stage 0, the
+final LayerNorm and LM head in the last stage. Stages pass the hidden state
+``hidden.<i>`` (input of block i) FP32 [batch, seq, hidden]. Inside a stage of R ranks:
+
+* attention: each rank holds heads/R heads' Q, K, V columns (column parallel) and the
+  matching rows of the output projection (row parallel); partial outputs are summed by
+  an allreduce, and the projection bias is added once, after it;
+* MLP: fc columns and proj rows split the same way, allreduce, bias after;
+* embeddings and LayerNorms are replicated;
+* LM head: split by vocabulary columns + allgather on the last axis when R divides vocab,
+  replicated otherwise.
+
+With R = 1 a stage is one ONNX segment with no collectives.
+
+Weights (``--weights file.npz``, float arrays; all names required, no others allowed)::
+
+    wte                       [vocab, hidden]       token embedding
+    wpe                       [max_seq, hidden]     position embedding
+    block{i}.ln1.gamma/.beta  [hidden]
+    block{i}.attn.qkv.weight  [hidden, 3*hidden]    columns [Q | K | V], heads in order
+    block{i}.attn.qkv.bias    [3*hidden]
+    block{i}.attn.proj.weight [hidden, hidden]
+    block{i}.attn.proj.bias   [hidden]
+    block{i}.ln2.gamma/.beta  [hidden]
+    block{i}.mlp.fc.weight    [hidden, 4*hidden]
+    block{i}.mlp.fc.bias      [4*hidden]
+    block{i}.mlp.proj.weight  [4*hidden, hidden]
+    block{i}.mlp.proj.bias    [hidden]
+    lnf.gamma/.beta           [hidden]
+    lm_head.weight            [hidden, vocab]
+
+Without a file, weights are ``numpy.random.default_rng(seed)`` normals x 0.02 drawn in
+the order above (LayerNorm gamma 1, beta 0). Same arguments -> same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from shardserve.errors import ExportError
+from shardserve.export.common import GraphBuilder, split_range
+from shardserve.protocol import TensorSpec
+from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, ProgramOp, RunOp
+from shardserve.slicing.writer import RankSlice, SliceLayout, write_slices
+
+Progress = Callable[[str], None]
+Weights = dict[str, np.ndarray]
+LN_EPSILON = 1e-5
+HIDDEN_SHAPE = ("batch", "seq")
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    max_seq: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def weight_shapes(shape: TransformerShape) -> dict[str, tuple[int, ...]]:
+    """Every weight name and its shape, in the order random weights are drawn."""
+    h, v = shape.hidden, shape.vocab
+    shapes: dict[str, tuple[int, ...]] = {"wte": (v, h), "wpe": (shape.max_seq, h)}
+    for i in range(shape.layers):
+        b = f"block{i}"
+        shapes.update(
+            {
+                f"{b}.ln1.gamma": (h,),
+                f"{b}.ln1.beta": (h,),
+                f"{b}.attn.qkv.weight": (h, 3 * h),
+                f"{b}.attn.qkv.bias": (3 * h,),
+                f"{b}.attn.proj.weight": (h, h),
+                f"{b}.attn.proj.bias": (h,),
+                f"{b}.ln2.gamma": (h,),
+                f"{b}.ln2.beta": (h,),
+                f"{b}.mlp.fc.weight": (h, 4 * h),
+                f"{b}.mlp.fc.bias": (4 * h,),
+                f"{b}.mlp.proj.weight": (4 * h, h),
+                f"{b}.mlp.proj.bias": (h,),
+            }
+        )
+    shapes.update({"lnf.gamma": (h,), "lnf.beta": (h,), "lm_head.weight": (h, v)})
+    return shapes
+
+
+def random_weights(shape: TransformerShape, seed: int) -> Weights:
+    rng = np.random.default_rng(seed)
+    weights: Weights = {}
+    for name, dims in weight_shapes(shape).items():
+        if name.endswith(".gamma"):
+            weights[name] = np.ones(dims, np.float32)
+        elif name.endswith(".beta"):
+            weights[name] = np.zeros(dims, np.float32)
+        else:
+            weights[name] = (rng.standard_normal(dims) * 0.02).astype(np.float32)
+    return weights
+
+
+def load_weights(path: Path, shape: TransformerShape) -> Weights:
+    """Read an .npz; refuse missing, unknown, wrongly shaped or non-float arrays by name."""
+    expected = weight_shapes(shape)
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            found = {name: archive[name] for name in archive.files}
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read weights file {path}: {exc}") from exc
+    problems = [f"missing {n} {list(s)}" for n, s in expected.items() if n not in found]
+    problems += [f"unknown {n}" for n in found if n not in expected]
+    problems += [
+        f"{n} has shape {list(a.shape)}, expected {list(expected[n])}"
+        for n, a in found.items()
+        if n in expected and a.shape != expected[n]
+    ]
+    problems += [
+        f"{n} has dtype {a.dtype}, expected a float type"
+        for n, a in found.items()
+        if n in expected and a.dtype.kind != "f"
+    ]
+    if problems:
+        raise ExportError(f"weights file {path} does not fit the model: " + "; ".join(problems))
+    return {n: np.ascontiguousarray(found[n], dtype=np.float32) for n in expected}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model is spread: ranks per stage and the blocks of each stage."""
+
+    ranks: int  # ranks per stage
+    blocks: tuple[range, ...]
+
+    @property
+    def stages(self) -> int:
+        return len(self.blocks)
+
+
+def plan_layout(shape: TransformerShape, rank_size: int, stage_size: int) -> Layout:
+    """Refuse splits that cannot work, saying why; spread the blocks over the stages."""
+    if rank_size < 1 or stage_size < 1:
+        raise ExportError(f"rank_size and stage_size must be >= 1, got {rank_size}, {stage_size}")
+    if rank_size % stage_size != 0:
+        raise ExportError(f"rank_size {rank_size} is not a multiple of stage_size {stage_size}")
+    for what, value in (
+        ("layers", shape.layers),
+        ("hidden", shape.hidden),
+        ("heads", shape.heads),
+        ("vocab", shape.vocab),
+        ("max_seq", shape.max_seq),
+    ):
+        if value < 1:
+            raise ExportError(f"{what} must be >= 1, got {value}")
+    if shape.hidden % shape.heads != 0:
+        raise ExportError(f"hidden {shape.hidden} is not divisible by heads {shape.heads}")
+    ranks = rank_size // stage_size
+    if shape.heads % ranks != 0:
+        raise ExportError(f"heads {shape.heads} are not divisible by {ranks} ranks per stage")
+    if shape.hidden % ranks != 0:
+        raise ExportError(f"hidden {shape.hidden} is not divisible by {ranks} ranks per stage")
+    if shape.layers < stage_size:
+        raise ExportError(f"{shape.layers} layers cannot fill {stage_size} pipeline stages")
+    base, extra = divmod(shape.layers, stage_size)
+    bounds = [0]
+    for s in range(stage_size):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return Layout(ranks, tuple(range(bounds[s], bounds[s + 1]) for s in range(stage_size)))
+
+
+def _f32(value: float) -> np.ndarray:
+    return np.array(value, dtype=np.float32)
+
+
+def _i64(value: int) -> np.ndarray:
+    return np.array(value, dtype=np.int64)
+
+
+def hidden_name(block: int) -> str:
+    return f"hidden.{block}"
+
+
+@dataclass
+class _StageWriter:
+    """Builds one rank's stage as segments separated by collectives."""
+
+    label: str
+    ranks: int
+    inputs: list[tuple[str, int]]  # (name, onnx elem type) of the current segment
+    program: list[ProgramOp] = field(default_factory=list)
+    segments: dict[str, onnx.ModelProto] = field(default_factory=dict)
+    g: GraphBuilder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.g = GraphBuilder(f"{self.label}_segment0")
+
+    def finish(self, outputs: Sequence[str], last_dims: dict[str, int | str]) -> None:
+        """Close the current segment with ``outputs`` ([batch, seq, dim] float tensors)."""
+        own = {n for n, _ in self.inputs}
+        outs = [n for n in outputs if n not in own]
+        file = f"segment{len(self.segments)}.onnx"
+        dtypes = dict(self.inputs)
+        model = self.g.build(
+            inputs=[(n, _shape(n, last_dims)) for n, _ in self.inputs],
+            outputs=[(n, _shape(n, last_dims)) for n in outs],
+            dtypes=dtypes,
+        )
+        self.segments[file] = model
+        self.program.append(RunOp(file=file))
+
+    def collective(
+        self, op: AllReduceOp | AllGatherOp, carry: Sequence[str], last_dims: dict[str, int | str]
+    ) -> None:
+        """End the segment (outputting ``carry`` + the op's input), run ``op``, restart."""
+        self.finish([*carry, op.input], last_dims)
+        self.program.append(op)
+        self.inputs = [(n, TensorProto.FLOAT) for n in (*carry, op.output)]
+        self.g = GraphBuilder(f"{self.label}_segment{len(self.segments)}")
+
+
+def _shape(name: str, last_dims: dict[str, int | str]) -> list[int | str]:
+    if name == "input_ids":
+        return list(HIDDEN_SHAPE)
+    return [*HIDDEN_SHAPE, last_dims[name]]
+
+
+class _RankBuilder:
+    """Emits one rank's ops for the blocks of its stage."""
+
+    def __init__(
+        self, shape: TransformerShape, weights: Weights, layout: Layout, stage: int, local: int
+    ) -> None:
+        self.shape, self.w, self.layout = shape, weights, layout
+        self.stage, self.local = stage, local
+        first = layout.blocks[stage].start
+        entry = (
+            ("input_ids", TensorProto.INT64)
+            if stage == 0
+            else (hidden_name(first), TensorProto.FLOAT)
+        )
+        self.out = _StageWriter(f"stage{stage}_rank{local}", layout.ranks, [entry])
+        self.dims: dict[str, int | str] = {
+            hidden_name(i): shape.hidden for i in range(shape.layers + 1)
+        }
+
+    @property
+    def g(self) -> GraphBuilder:
+        return self.out.g
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        return self.g.constant(name, np.ascontiguousarray(value, dtype=np.float32))
+
+    def part(self, total: int) -> slice:
+        return split_range(total, self.layout.ranks, self.local)
+
+    def reduce(self, partial: str, result: str, carry: Sequence[str]) -> str:
+        """Sum ``partial`` over the stage's ranks (nothing to do with one rank)."""
+        if self.layout.ranks == 1:
+            return partial
+        self.dims[partial] = self.dims[result] = self.shape.hidden
+        self.out.collective(AllReduceOp(input=partial, output=result), carry, self.dims)
+        return result
+
+    def build(self) -> RankSlice:
+        blocks = self.layout.blocks[self.stage]
+        h = self.embed() if self.stage == 0 else hidden_name(blocks.start)
+        for i in blocks:
+            h = self.block(i, h)
+        if self.stage == self.layout.stages - 1:
+            self.head(h)
+        else:
+            self.out.finish([h], self.dims)  # h is hidden.<first block of the next stage>
+        return RankSlice(tuple(self.out.program), dict(self.out.segments))
+
+    def positions(self, source: str) -> str:
+        seq = self.g.op("Shape", source, start=1, end=2)
+        seq = self.g.op("Squeeze", seq, self.g.ints("axis0", [0]))
+        zero, one = self.g.constant("zero", _i64(0)), self.g.constant("one", _i64(1))
+        return self.g.op("Range", zero, seq, one)
+
+    def embed(self) -> str:
+        tokens = self.g.op("Gather", self.const("wte", self.w["wte"]), "input_ids")
+        # wpe[0:seq] is wpe gathered at Range(0, seq); written as a Slice because
+        # onnxruntime's GatherToSlice fusion mis-builds that Gather (ORT 1.2x, "Starts must be
+        # a 1-D array").
+        seq = self.g.op("Shape", "input_ids", start=1, end=2)
+        places = self.g.op(
+            "Slice",
+            self.const("wpe", self.w["wpe"]),
+            self.g.ints("start0", [0]),
+            seq,
+            self.g.ints("axis0", [0]),
+        )
+        return self.g.op("Add", tokens, places, out=hidden_name(0))
+
+    def layer_norm(self, x: str, prefix: str) -> str:
+        gamma = self.const(f"{prefix}.gamma", self.w[f"{prefix}.gamma"])
+        beta = self.const(f"{prefix}.beta", self.w[f"{prefix}.beta"])
+        return self.g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=LN_EPSILON)
+
+    def block(self, i: int, h: str) -> str:
+        b = f"block{i}"
+        attn = self.attention(b, self.layer_norm(h, f"{b}.ln1"))
+        attn = self.reduce(attn, f"{b}.attn.sum", carry=[h])
+        mid = self.g.op(
+            "Add",
+            h,
+            self.g.op(
+                "Add", attn, self.const(f"{b}.attn.proj.bias", self.w[f"{b}.attn.proj.bias"])
+            ),
+            out=f"{b}.mid",
+        )
+        self.dims[mid] = self.shape.hidden
+        mlp = self.mlp(b, self.layer_norm(mid, f"{b}.ln2"))
+        mlp = self.reduce(mlp, f"{b}.mlp.sum", carry=[mid])
+        bias = self.const(f"{b}.mlp.proj.bias", self.w[f"{b}.mlp.proj.bias"])
+        return self.g.op("Add", mid, self.g.op("Add", mlp, bias), out=hidden_name(i + 1))
+
+    def qkv_weights(self, b: str) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's heads' Q, K and V columns, side by side."""
+        h, cols = self.shape.hidden, self.part(self.shape.hidden)
+        weight, bias = self.w[f"{b}.attn.qkv.weight"], self.w[f"{b}.attn.qkv.bias"]
+        picks = [slice(k * h + cols.start, k * h + cols.stop) for k in range(3)]
+        return (
+            np.concatenate([weight[:, p] for p in picks], axis=1),
+            np.concatenate([bias[p] for p in picks]),
+        )
+
+    def attention(self, b: str, x: str) -> str:
+        g, d = self.g, self.shape.head_dim
+        local = self.shape.heads // self.layout.ranks
+        weight, bias = self.qkv_weights(b)
+        qkv = g.op(
+            "Add",
+            g.op("MatMul", x, self.const(f"{b}.attn.qkv.weight", weight)),
+            self.const(f"{b}.attn.qkv.bias", bias),
+        )
+        q, k, v = g.op_n("Split", qkv, g.ints("qkv_split", [local * d] * 3), outputs=3, axis=-1)
+        heads = g.ints("heads_shape", [0, 0, local, d])
+        q = g.op("Transpose", g.op("Reshape", q, heads), perm=[0, 2, 1, 3])
+        k = g.op("Transpose", g.op("Reshape", k, heads), perm=[0, 2, 3, 1])
+        v = g.op("Transpose", g.op("Reshape", v, heads), perm=[0, 2, 1, 3])
+        scale = g.constant("scale", _f32(1.0 / math.sqrt(d)))
+        scores = g.op("Mul", g.op("MatMul", q, k), scale)
+        scores = g.op("Where", self.future_mask(x), g.constant("neg_inf", _f32(-np.inf)), scores)
+        mixed = g.op("MatMul", g.op("Softmax", scores, axis=-1), v)
+        mixed = g.op(
+            "Reshape",
+            g.op("Transpose", mixed, perm=[0, 2, 1, 3]),
+            g.ints("merge_shape", [0, 0, local * d]),
+        )
+        rows = self.part(self.shape.hidden)
+        proj = self.w[f"{b}.attn.proj.weight"][rows, :]
+        return g.op(
+            "MatMul", mixed, self.const(f"{b}.attn.proj.weight", proj), out=f"{b}.attn.partial"
+        )
+
+    def future_mask(self, x: str) -> str:
+        """[seq, seq] bool, True where key position > query position (causal)."""
+        pos = self.positions(x)
+        keys = self.g.op("Unsqueeze", pos, self.g.ints("axis0", [0]))
+        queries = self.g.op("Unsqueeze", pos, self.g.ints("axis1", [1]))
+        return self.g.op("Greater", keys, queries)
+
+    def mlp(self, b: str, x: str) -> str:
+        g, cols = self.g, self.part(4 * self.shape.hidden)
+        fc = g.op(
+            "MatMul", x, self.const(f"{b}.mlp.fc.weight", self.w[f"{b}.mlp.fc.weight"][:, cols])
+        )
+        fc = g.op("Add", fc, self.const(f"{b}.mlp.fc.bias", self.w[f"{b}.mlp.fc.bias"][cols]))
+        erf = g.op("Erf", g.op("Mul", fc, g.constant("inv_sqrt2", _f32(1 / math.sqrt(2)))))
+        gate = g.op("Add", erf, g.constant("one_f", _f32(1.0)))
+        gelu = g.op("Mul", g.op("Mul", fc, gate), g.constant("half", _f32(0.5)))
+        proj = self.w[f"{b}.mlp.proj.weight"][cols, :]
+        return g.op(
+            "MatMul", gelu, self.const(f"{b}.mlp.proj.weight", proj), out=f"{b}.mlp.partial"
+        )
+
+    def head(self, h: str) -> None:
+        x = self.layer_norm(h, "lnf")
+        vocab, ranks = self.shape.vocab, self.layout.ranks
+        if ranks == 1 or vocab % ranks != 0:
+            weight = self.const("lm_head.weight", self.w["lm_head.weight"])
+            self.g.op("MatMul", x, weight, out="logits")
+            self.dims["logits"] = vocab
+            self.out.finish(["logits"], self.dims)
+            return
+        cols = self.part(vocab)
+        weight = self.const("lm_head.weight", self.w["lm_head.weight"][:, cols])
+        self.g.op("MatMul", x, weight, out="logits.shard")
+        self.dims["logits.shard"] = vocab // ranks
+        self.out.finish(["logits.shard"], self.dims)
+        self.out.program.append(AllGatherOp(input="logits.shard", output="logits", axis=-1))
+
+
+def build_rank(shape: TransformerShape, weights: Weights, layout: Layout, rank: int) -> RankSlice:
+    """One rank's stage program and segments."""
+    return _RankBuilder(shape, weights, layout, rank // layout.ranks, rank % layout.ranks).build()
+
+
+def reference_model(
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 256,
+    max_seq: int = 32,
+    seed: int = 0,
+    weights: Path | None = None,
+) -> onnx.ModelProto:
+    """The unsliced model (one rank, one stage) with the same weights as the export."""
+    shape = TransformerShape(layers, hidden, heads, vocab, max_seq)
+    layout = plan_layout(shape, 1, 1)
+    values = load_weights(weights, shape) if weights else random_weights(shape, seed)
+    return build_rank(shape, values, layout, 0).segments["segment0.onnx"]
+
+
+def export_transformer(
+    out: Path,
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    vocab: int = 256,
+    max_seq: int = 32,
+    rank_size: int = 1,
+    stage_size: int = 1,
+    seed: int = 0,
+    weights: Path | None = None,
+    version: int = 1,
+    name: str = "transformer",
+    progress: Progress | None = None,
+) -> GroupConfig:
+    """Write the transformer as servable ``name`` version ``version`` under repository ``out``."""
+    shape = TransformerShape(layers, hidden, heads, vocab, max_seq)
+    layout = plan_layout(shape, rank_size, stage_size)
+    values = load_weights(weights, shape) if weights else random_weights(shape, seed)
+    stage_io = tuple(
+        (
+            ("input_ids",) if s == 0 else (hidden_name(blocks.start),),
+            ("logits",) if s == stage_size - 1 else (hidden_name(blocks.stop),),
+        )
+        for s, blocks in enumerate(layout.blocks)
+    )
+    plan = SliceLayout(
+        servable=name,
+        version=version,
+        rank_size=rank_size,
+        stage_size=stage_size,
+        inputs=(TensorSpec(name="input_ids", datatype="INT64", shape=(-1, -1)),),
+        outputs=(TensorSpec(name="logits", datatype="FP32", shape=(-1, -1, vocab)),),
+        stage_io=stage_io,
+        with_batch_dim=True,
+        origin={
+            "model": "transformer",
+            "layers": layers,
+            "hidden": hidden,
+            "heads": heads,
+            "vocab": vocab,
+            "max_seq": max_seq,
+            "seed": seed if weights is None else -1,
+        },
+    )
+    return write_slices(out, plan, lambda rank: build_rank(shape, values, layout, rank), progress)

@@ -1,0 +1,16 @@
+"""Slicing existing ONNX models: pipeline stages, tensor parallel, external data checks."""
+
+from shardserve.slicing.api import load_model, slice_pipeline, tensor_parallel
+from shardserve.slicing.external import check_external_data
+from shardserve.slicing.writer import EXTERNAL_DATA_THRESHOLD, RankSlice, SliceLayout, write_slices
+
+__all__ = [
+    "EXTERNAL_DATA_THRESHOLD",
+    "RankSlice",
+    "SliceLayout",
+    "check_external_data",
+    "load_model",
+    "slice_pipeline",
+    "tensor_parallel",
+    "write_slices",
+]

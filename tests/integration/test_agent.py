@@ -1,0 +1,345 @@
+"""Agent processes against a real RabbitMQ, with the test playing the scheduler's part."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from aio_pika.abc import AbstractIncomingMessage
+
+from shardserve.broker import Broker
+from shardserve.errors import ErrorCode
+from shardserve.export.matmul import export_matmul
+from shardserve.protocol import (
+    AgentBye,
+    AgentHeartbeat,
+    AgentHello,
+    CollectivePart,
+    JobCancel,
+    Message,
+    RegistrationVerdict,
+    SchedulerHello,
+    StageResult,
+    StageWork,
+)
+from shardserve.settings import BrokerSettings
+from shardserve.tensors import Tensor, digest_tensors
+from shardserve.topology import (
+    COLLECTIVE_EXCHANGE,
+    CONTROL_EXCHANGE,
+    KEY_SCHEDULER_HELLO,
+    STAGE_EXCHANGE,
+    Binding,
+    Queue,
+    agent_control_key,
+    group_key,
+    stage_key,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+AGENT_SRC = Path(__file__).resolve().parents[2] / "services" / "agent" / "src"
+WAIT = 60.0  # generous: two cores may be busy with other test processes
+
+
+class AgentProcess:
+    """One `python -m shardserve_agent` process and its log."""
+
+    def __init__(self, amqp_url: str, log: Path, args: list[str]) -> None:
+        self.log = log
+        env = {
+            **os.environ,
+            "SHARDSERVE_AMQP_URL": amqp_url,
+            "PYTHONUNBUFFERED": "1",
+            "SHARDSERVE_LOG_LEVEL": "DEBUG",
+            "PYTHONPATH": os.pathsep.join([str(AGENT_SRC), os.environ.get("PYTHONPATH", "")]),
+        }
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shardserve_agent", *args],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait(self, within_s: float = WAIT) -> int:
+        deadline = time.monotonic() + within_s
+        while self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"agent still running after {within_s}s:\n{self.text()}")
+            await asyncio.sleep(0.05)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class FakeScheduler:
+    """Receives agent control messages and stage results on queues of its own."""
+
+    def __init__(self, broker: Broker, servable: str) -> None:
+        self.broker = broker
+        self.servable = servable
+        self.control: asyncio.Queue[Message] = asyncio.Queue()
+        self.results: asyncio.Queue[StageResult] = asyncio.Queue()
+        suffix = uuid.uuid4().hex[:8]
+        self.control_queue = Queue(f"test.sched.control.{suffix}", auto_delete=True)
+        self.result_queue = Queue(f"test.sched.results.{suffix}", auto_delete=True)
+
+    async def start(self) -> None:
+        name = self.control_queue.name
+        bindings = tuple(
+            Binding(name, CONTROL_EXCHANGE, key)
+            for key in ("agent.hello", "agent.heartbeat", "agent.bye")
+        )
+        await self.broker.declare(self.control_queue, bindings)
+        await self.broker.declare(self.result_queue)
+        await self.broker.consume(name, self._on_control, prefetch=100)
+        await self.broker.consume(self.result_queue.name, self._on_result, prefetch=100)
+
+    async def _on_control(self, message: Message, _: AbstractIncomingMessage) -> None:
+        if getattr(message, "servable", None) == self.servable:
+            await self.control.put(message)
+
+    async def _on_result(self, message: Message, _: AbstractIncomingMessage) -> None:
+        assert isinstance(message, StageResult)
+        await self.results.put(message)
+
+    async def next(self, kind: type[Any], rank: int | None = None) -> Any:
+        """The next control message of this kind (and rank), skipping others."""
+        async with asyncio.timeout(WAIT):
+            while True:
+                message = await self.control.get()
+                if isinstance(message, kind) and (rank is None or message.rank == rank):
+                    return message
+
+    async def verdict(self, hello: AgentHello, accepted: bool, reason: str = "") -> None:
+        verdict = RegistrationVerdict(instance=hello.instance, accepted=accepted, reason=reason)
+        await self.broker.publish(
+            CONTROL_EXCHANGE, agent_control_key(hello.instance), verdict, confirm=True
+        )
+
+    async def register(self, rank: int) -> AgentHello:
+        hello = await self.next(AgentHello, rank)
+        await self.verdict(hello, accepted=True)
+        await self.next(AgentHeartbeat, rank)  # queues are up once it beats
+        return hello
+
+    async def send_work(self, job: str, deadline_s: float = 30.0) -> StageWork:
+        inputs = {"x": Tensor.from_numpy(np.ones((128, 96), dtype=np.float32))}
+        work = StageWork(
+            job=job,
+            servable=self.servable,
+            version=1,
+            stage=0,
+            inputs=inputs,
+            digest=digest_tensors(inputs),
+            deadline=time.time() + deadline_s,
+            result_to=self.result_queue.name,
+        )
+        await self.broker.publish(STAGE_EXCHANGE, stage_key(self.servable, 1, 0), work)
+        return work
+
+    async def collect(self, count: int) -> dict[int, StageResult]:
+        found: dict[int, StageResult] = {}
+        async with asyncio.timeout(WAIT):
+            while len(found) < count:
+                result = await self.results.get()
+                found[result.rank] = result
+        return found
+
+
+@pytest.fixture
+async def scheduler(isolated_amqp_url: str) -> AsyncIterator[FakeScheduler]:
+    broker = Broker(BrokerSettings(urls=(isolated_amqp_url,)), f"test-{uuid.uuid4().hex[:6]}")
+    await broker.connect()
+    fake = FakeScheduler(broker, f"agt{uuid.uuid4().hex[:10]}")
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await broker.close()
+
+
+class Agents:
+    """Starts agents for the scheduler's servable; kills leftovers at the end."""
+
+    def __init__(self, amqp_url: str, repo: Path, tmp: Path, servable: str) -> None:
+        self.amqp_url, self.repo, self.tmp, self.servable = amqp_url, repo, tmp, servable
+        self.started: list[AgentProcess] = []
+
+    def start(self, rank: int, *extra: str) -> AgentProcess:
+        log = self.tmp / f"agent-r{rank}-{len(self.started)}.log"
+        args = [
+            "--repository",
+            str(self.repo),
+            "--servable",
+            self.servable,
+            "--rank",
+            str(rank),
+            "--cache-dir",
+            str(self.tmp / f"cache-r{rank}"),
+            "--heartbeat-interval",
+            "0.3",
+            "--drain-seconds",
+            "5",
+            *extra,
+        ]
+        agent = AgentProcess(self.amqp_url, log, args)
+        self.started.append(agent)
+        return agent
+
+    def kill_all(self) -> None:
+        for agent in self.started:
+            agent.kill()
+
+
+@pytest.fixture
+def agents(isolated_amqp_url: str, scheduler: FakeScheduler, tmp_path: Path) -> Any:
+    repo = tmp_path / "repo"
+    export_matmul(repo, rank_size=2, strategy="column", name=scheduler.servable)
+    started = Agents(isolated_amqp_url, repo, tmp_path, scheduler.servable)
+    yield started
+    started.kill_all()
+
+
+async def test_two_ranks_run_a_job_then_stop_cleanly(
+    scheduler: FakeScheduler, agents: Agents
+) -> None:
+    # rank 1 runs under a memory cap, to show a capped agent serves (see --max-memory-mb help)
+    procs = [agents.start(0), agents.start(1, "--max-memory-mb", "400")]
+    hellos = [await scheduler.register(0), await scheduler.register(1)]
+    assert {h.cache for h in hellos} == {"miss"}
+    assert hellos[0].slice_checksum != hellos[1].slice_checksum
+
+    await scheduler.send_work("job-1")
+    results = await scheduler.collect(2)
+    assert results[0].error is None and results[1].error is None, results
+    assert results[0].digest == results[1].digest
+    assert results[0].outputs is not None and results[1].outputs is None
+    y = results[0].outputs["y"].to_numpy()
+    expected = -(np.ones((128, 96), np.float32) @ np.full((96, 16), 0.5, np.float32))
+    np.testing.assert_array_equal(y, expected)
+    assert results[0].digest == digest_tensors(results[0].outputs)
+
+    for proc in procs:
+        proc.proc.send_signal(signal.SIGTERM)
+    assert [await p.wait(5 + 10) for p in procs] == [0, 0]
+    byes = {(await scheduler.next(AgentBye)).rank for _ in procs}
+    assert byes == {0, 1}
+    assert "req=job-1" in procs[0].text()  # log lines carry the job id
+
+    again = agents.start(0)
+    hello = await scheduler.next(AgentHello, 0)
+    assert hello.cache == "hit"
+    assert "compile cache hit" in again.text()
+    await scheduler.verdict(hello, accepted=False, reason="test over")
+    assert await again.wait() == 3
+
+
+async def test_refused_agent_exits_3_and_says_why(scheduler: FakeScheduler, agents: Agents) -> None:
+    agent = agents.start(1, "--no-cache")
+    hello = await scheduler.next(AgentHello, 1)
+    assert hello.cache == "off"
+    await scheduler.verdict(hello, accepted=False, reason="rank 1 is already served by agent x")
+    assert await agent.wait() == 3
+    assert "rank 1 is already served by agent x" in agent.text()
+    assert " ERROR " in agent.text()
+
+
+async def test_hello_is_repeated_until_a_scheduler_answers(
+    scheduler: FakeScheduler, agents: Agents
+) -> None:
+    agent = agents.start(0, "--no-cache")
+    first = await scheduler.next(AgentHello, 0)
+    second = await scheduler.next(AgentHello, 0)
+    assert first.instance == second.instance
+    await scheduler.verdict(second, accepted=False, reason="done")
+    assert await agent.wait() == 3
+
+
+async def test_missing_peer_fails_the_job_at_its_deadline(
+    scheduler: FakeScheduler, agents: Agents
+) -> None:
+    agent = agents.start(0, "--no-cache")
+    await scheduler.register(0)
+    await scheduler.send_work("lonely", deadline_s=1.0)
+    result = (await scheduler.collect(1))[0]
+    assert result.error is not None and result.error.code == ErrorCode.DEADLINE
+    assert "rank(s) 1" in result.error.message
+    agent.proc.send_signal(signal.SIGTERM)
+    assert await agent.wait() == 0
+
+
+async def test_job_cancel_aborts_a_waiting_job(scheduler: FakeScheduler, agents: Agents) -> None:
+    agent = agents.start(0, "--no-cache")
+    await scheduler.register(0)
+    await scheduler.send_work("doomed", deadline_s=30.0)
+    await asyncio.sleep(0.5)  # let it reach the collective wait
+    cancel = JobCancel(job="doomed", servable=scheduler.servable, version=1, reason="rank 1 lost")
+    await scheduler.broker.publish(CONTROL_EXCHANGE, group_key(scheduler.servable, 1), cancel)
+    agent.proc.send_signal(signal.SIGTERM)  # drain must not wait 30 s for the dead job
+    assert await agent.wait(10) == 0
+    assert "rank 1 lost" in agent.text()
+    assert scheduler.results.empty()
+
+
+async def test_memory_cap_too_small_exits_1_with_a_clear_message(
+    scheduler: FakeScheduler, agents: Agents
+) -> None:
+    agent = agents.start(0, "--no-cache", "--max-memory-mb", "64")
+    assert await agent.wait() == 1
+    assert "exceeds the memory cap of 64 MB" in agent.text()
+
+
+async def test_sigterm_finishes_the_job_in_flight(scheduler: FakeScheduler, agents: Agents) -> None:
+    agent = agents.start(0, "--no-cache")
+    await scheduler.register(0)
+    await scheduler.send_work("in-flight", deadline_s=30.0)
+    await asyncio.sleep(0.5)  # rank 0 now waits for rank 1's part
+    agent.proc.send_signal(signal.SIGTERM)
+    await asyncio.sleep(0.3)
+    assert agent.proc.poll() is None, agent.text()  # still draining: the job is in flight
+    part = CollectivePart(
+        job="in-flight",
+        stage=0,
+        step=0,
+        rank=1,
+        tensor=Tensor.from_numpy(np.full((128, 8), -48.0, dtype=np.float32)),
+    )
+    await scheduler.broker.publish(COLLECTIVE_EXCHANGE, stage_key(scheduler.servable, 1, 0), part)
+    result = (await scheduler.collect(1))[0]
+    assert result.error is None and result.outputs is not None
+    assert np.all(result.outputs["y"].to_numpy() == -48.0)
+    assert await agent.wait(10) == 0
+    assert (await scheduler.next(AgentBye, 0)).state == "draining"
+
+
+async def test_new_scheduler_gets_a_new_hello_and_may_refuse(
+    scheduler: FakeScheduler, agents: Agents
+) -> None:
+    agent = agents.start(0, "--no-cache")
+    first = await scheduler.register(0)
+    hello = SchedulerHello(scheduler="replacement")
+    await scheduler.broker.publish(CONTROL_EXCHANGE, KEY_SCHEDULER_HELLO, hello)
+    again = await scheduler.next(AgentHello, 0)
+    assert again.instance == first.instance
+    await scheduler.verdict(again, accepted=False, reason="rank 0 now served elsewhere")
+    assert await agent.wait() == 3
+    assert "rank 0 now served elsewhere" in agent.text()

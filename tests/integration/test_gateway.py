@@ -1,0 +1,291 @@
+"""The gateway process against real RabbitMQ, with a fake scheduler in the test process.
+
+The test binds its own temporary queue to the requests exchange under unique servable
+names (on its own vhost) and publishes MeshStatus itself, so the gateway is exercised
+end to end without a scheduler or agents: HTTP -> AMQP request -> reply -> HTTP.
+tritonclient (the aio flavour, so the fake scheduler keeps running on this loop) drives
+binary and JSON inference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import tritonclient.http.aio as triton_aio
+from aio_pika.abc import AbstractIncomingMessage
+
+from shardserve import topology
+from shardserve.broker import Broker
+from shardserve.protocol import (
+    InferReply,
+    InferRequest,
+    InstanceResult,
+    MeshStatus,
+    Message,
+    MethodStatus,
+    ServableStatus,
+    TensorSpec,
+)
+from shardserve.settings import AMQP_URL_ENV, BrokerSettings
+from shardserve.tensors import Tensor
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WEIGHT = np.full((96, 16), 0.5, dtype=np.float32)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class GatewayProcess:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
+
+
+@pytest.fixture(scope="module")
+def gateway_process(
+    isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    port = free_port()
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    env = {
+        **os.environ,
+        AMQP_URL_ENV: isolated_amqp_url,
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT / "services/gateway/src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    args = [sys.executable, "-m", "shardserve_gateway", "--http-port", str(port)]
+    args += ["--default-timeout", "10", "--drain-seconds", "5"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    gw = GatewayProcess(proc, port, log)
+    _wait_live(gw)
+    yield gw
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"gateway did not stop on SIGTERM:\n{gw.log_tail()}") from None
+    assert code == 0, gw.log_tail()
+
+
+def _wait_live(gw: GatewayProcess, timeout: float = 60.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gw.proc.poll() is not None:
+            raise AssertionError(f"gateway exited with {gw.proc.returncode}:\n{gw.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{gw.url}/v2/health/live", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"gateway not live after {timeout}s:\n{gw.log_tail()}")
+
+
+def spec(name: str, shape: tuple[int, ...]) -> TensorSpec:
+    return TensorSpec(name=name, datatype="FP32", shape=shape)
+
+
+def servable_status(name: str) -> ServableStatus:
+    method = MethodStatus(
+        name="predict", inputs=(spec("x", (128, 96)),), outputs=(spec("y", (128, 16)),)
+    )
+    return ServableStatus(
+        name=name, version=1, ready=True, rank_size=1, stage_size=1, methods=(method,), ranks=()
+    )
+
+
+@dataclass
+class FakeScheduler:
+    """Answers requests for ``servable``; never answers requests for ``silent``."""
+
+    broker: Broker
+    servable: str
+    silent: str
+    received: list[InferRequest] = field(default_factory=list)
+
+    async def on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
+        if not isinstance(message, InferRequest):
+            return
+        self.received.append(message)
+        if message.servable == self.silent:
+            return
+        results = tuple(
+            InstanceResult(outputs={"y": Tensor.from_numpy(-(i["x"].to_numpy() @ WEIGHT))})
+            for i in message.instances
+        )
+        reply = InferReply(
+            id=message.id,
+            servable=message.servable,
+            version=1,
+            method=message.method,
+            instances=results,
+        )
+        assert incoming.reply_to is not None
+        await self.broker.publish(
+            "", incoming.reply_to, reply, correlation_id=incoming.correlation_id
+        )
+
+    async def broadcast_status(self) -> None:
+        status = MeshStatus(
+            scheduler="fake",
+            time=time.time(),
+            servables=(servable_status(self.servable), servable_status(self.silent)),
+        )
+        while True:
+            await self.broker.publish(
+                topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_STATUS, status
+            )
+            await asyncio.sleep(0.5)
+
+
+@pytest.fixture
+async def scheduler(
+    isolated_amqp_url: str, gateway_process: GatewayProcess
+) -> AsyncIterator[FakeScheduler]:
+    broker = Broker(BrokerSettings(urls=(isolated_amqp_url,)), name="fake-scheduler")
+    await broker.connect()
+    tag = uuid.uuid4().hex[:8]
+    fake = FakeScheduler(broker, f"gwtest-{tag}", f"gwtest-{tag}-silent")
+    queue = topology.Queue(f"gwtest.requests.{tag}", exclusive=True, auto_delete=True)
+    bindings = tuple(
+        topology.Binding(queue.name, topology.REQUESTS_EXCHANGE, key)
+        for key in (fake.servable, fake.silent)
+    )
+    await broker.declare(queue, bindings)
+    await broker.consume(queue.name, fake.on_request, prefetch=16)
+    status_task = asyncio.create_task(fake.broadcast_status())
+    try:
+        await _wait_ready(gateway_process)
+        yield fake
+    finally:
+        status_task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await status_task
+        await broker.close()
+
+
+async def _wait_ready(gw: GatewayProcess, within_s: float = 30.0) -> None:
+    async with aiohttp.ClientSession() as session, asyncio.timeout(within_s):
+        while True:
+            async with session.get(f"{gw.url}/v2/health/ready") as resp:
+                if resp.status == 200:
+                    return
+            await asyncio.sleep(0.1)
+
+
+async def test_binary_infer_through_tritonclient(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    client = triton_aio.InferenceServerClient(f"127.0.0.1:{gateway_process.port}")
+    try:
+        assert await client.is_server_ready()
+        meta = await client.get_model_metadata(scheduler.servable)
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [128, 96]}]
+        x = np.random.default_rng(0).standard_normal((128, 96)).astype(np.float32)
+        inp = triton_aio.InferInput("x", [128, 96], "FP32")
+        inp.set_data_from_numpy(x)  # binary by default
+        out = triton_aio.InferRequestedOutput("y")  # binary by default
+        result = await client.infer(scheduler.servable, [inp], outputs=[out], request_id="r1")
+        np.testing.assert_array_equal(result.as_numpy("y"), -(x @ WEIGHT))
+        assert result.get_response()["id"] == "r1"
+    finally:
+        await client.close()
+    assert scheduler.received[-1].servable == scheduler.servable
+
+
+async def test_json_infer_through_tritonclient(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    client = triton_aio.InferenceServerClient(f"127.0.0.1:{gateway_process.port}")
+    try:
+        inp = triton_aio.InferInput("x", [128, 96], "FP32")
+        inp.set_data_from_numpy(np.ones((128, 96), np.float32), binary_data=False)
+        out = triton_aio.InferRequestedOutput("y", binary_data=False)
+        result = await client.infer(scheduler.servable, [inp], outputs=[out])
+        assert (result.as_numpy("y") == -48.0).all()
+        assert "binary_data_size" not in str(result.get_response())
+    finally:
+        await client.close()
+
+
+async def test_bad_input_is_400_and_never_published(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    body = {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1.0, 2.0]}]}
+    async with aiohttp.ClientSession() as session:
+        url = f"{gateway_process.url}/v2/models/{scheduler.servable}/infer"
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 400
+            assert resp.headers["Content-Type"] == "application/json"
+            assert "has shape [2], expected [128, 96]" in (await resp.json())["error"]
+    assert scheduler.received == []
+
+
+async def test_no_reply_gives_504_at_the_deadline(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    body = {
+        "inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32", "data": [1.0] * 12288}]
+    }
+    url = f"{gateway_process.url}/v2/models/{scheduler.silent}/infer"
+    async with aiohttp.ClientSession() as session:
+        started = time.monotonic()
+        async with session.post(url, json=body, headers={"X-Request-Timeout": "1.0"}) as resp:
+            elapsed = time.monotonic() - started
+            assert resp.status == 504
+            assert "deadline exceeded" in (await resp.json())["error"]
+    # The deadline is honoured: not answered before it (the scheduler got the request)...
+    assert elapsed >= 1.0
+    assert scheduler.received[-1].servable == scheduler.silent
+    assert scheduler.received[-1].deadline - time.time() < 0
+
+
+async def test_mindspore_rest_and_status(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        url = f"{gateway_process.url}/model/{scheduler.servable}:predict"
+        body = {"instances": [{"x": [[1.0] * 96] * 128}, {"x": [[2] * 96] * 128}]}
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 200
+            reply = await resp.json()
+        assert reply["instances"][0]["y"][0][0] == -48.0
+        assert reply["instances"][1]["y"][0][0] == -96.0
+        async with session.get(f"{gateway_process.url}/api/status") as resp:
+            status = await resp.json()
+        assert status["fresh"] is True
+        assert {s["name"] for s in status["servables"]} >= {scheduler.servable}

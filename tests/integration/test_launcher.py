@@ -1,0 +1,197 @@
+"""``shardserve up`` end to end: real scheduler, gateway and agent processes on a real
+broker. The mesh gets ready, answers, heals after an agent is killed, and on SIGTERM
+stops every process it started and exits 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SERVICE_MAINS = ("shardserve_gateway", "shardserve_scheduler", "shardserve_agent")
+
+
+def _missing_services() -> list[str]:
+    missing = []
+    for package in SERVICE_MAINS:
+        try:
+            found = importlib.util.find_spec(f"{package}.__main__") is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, condition: Callable[[], bool], within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+def infer_all_ones(base: str) -> set[float]:
+    body = {"inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32",
+                        "data": [1.0] * (128 * 96)}]}  # fmt: skip
+    request = urllib.request.Request(
+        f"{base}/v2/models/matmul/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        answer = json.loads(response.read())
+    [output] = answer["outputs"]
+    assert (output["name"], output["shape"]) == ("y", [128, 16])
+    return set(output["data"])
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """Live (non-zombie) direct children of ``pid``: pid -> command line."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def agent_pid(children: dict[int, str], rank: int) -> int | None:
+    return next((p for p, cmd in children.items() if cmd.endswith(f"--rank {rank} --threads 1")),
+                None)  # fmt: skip
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    folder = tmp_path / "models"
+    subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "export", "matmul", "--rank-size", "2",
+         "--out", str(folder)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    return folder
+
+
+@pytest.fixture
+def launcher(
+    repo: Path, tmp_path: Path, isolated_amqp_url: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    missing = _missing_services()
+    if missing:
+        pytest.skip(f"services not written yet: {', '.join(missing)}")
+    port = free_port()
+    log = tmp_path / "up.log"
+    env = {**os.environ, "SHARDSERVE_AMQP_URL": isolated_amqp_url}
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "shardserve.cli", "up", str(repo), "--http-port", str(port),
+             "--grace-seconds", "10"],
+            stdout=sink, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        yield process, f"http://127.0.0.1:{port}", log
+    finally:
+        if process.poll() is None:  # the test failed half-way: leave nothing behind
+            for child in children_of(process.pid):
+                os.killpg(child, signal.SIGKILL)
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_up_serves_heals_and_stops_every_process(
+    launcher: tuple[subprocess.Popen[bytes], str, Path],
+) -> None:
+    process, base, log = launcher
+
+    def ready() -> bool:
+        assert process.poll() is None, log.read_text()
+        return http_status(f"{base}/v2/health/ready") == 200
+
+    wait_for("the mesh to get ready", ready)
+    assert infer_all_ones(base) == {-48.0}
+    wait_for("the ready banner", lambda: "all groups ready" in log.read_text(), 30)
+    assert f"all groups ready: POST {base}/v2/models/matmul/infer" in log.read_text()
+    assert "matmul v1: 2/2 ranks ready" in log.read_text()
+
+    children = children_of(process.pid)
+    assert len(children) == 4, children  # scheduler, gateway, 2 agents
+    assert sum("-m shardserve_agent" in cmd for cmd in children.values()) == 2
+
+    # An agent dies: the launcher restarts it and the group heals.
+    victim = agent_pid(children, 1)
+    assert victim is not None, children
+    os.kill(victim, signal.SIGKILL)
+    wait_for("agent r1 to restart", lambda: agent_pid(children_of(process.pid), 1) not in
+             (None, victim), 60)  # fmt: skip
+    wait_for("the group to heal", ready)
+    assert infer_all_ones(base) == {-48.0}
+    assert "[agent matmul r1] was killed by SIGKILL; restarting in" in log.read_text()
+
+    everyone = children_of(process.pid)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=90) == 0, log.read_text()
+    assert [pid for pid in everyone if alive(pid)] == []
+    text = log.read_text()
+    assert "stopping: gateway, then scheduler, then agents" in text
+    gateway_stop = text.index("[gateway]", text.index("stopping:"))
+    agent_stop = text.index("[agent matmul r0]", text.index("stopping:"))
+    assert gateway_stop < agent_stop
+    assert text.rstrip().endswith("stopped")
+
+
+def test_up_without_a_broker_says_which_variable_to_set(repo: Path) -> None:
+    env = {**os.environ, "SHARDSERVE_AMQP_URL": "amqp://guest:secret@127.0.0.1:1/"}
+    result = subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "up", str(repo)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "cannot reach RabbitMQ" in result.stderr
+    assert "SHARDSERVE_AMQP_URL" in result.stderr
+    assert "secret" not in result.stderr
+    assert "Traceback" not in result.stderr

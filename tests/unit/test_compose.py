@@ -1,0 +1,292 @@
+"""docker-compose.yml, deploy/Dockerfile and the RabbitMQ definitions agree with the code:
+every command parses with the parser that will run it, the agents cover the group, start
+and stop orders drain, and each service's broker user may do exactly what topology.py
+says that service does."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import re
+from graphlib import TopologicalSorter
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from shardserve import cli, topology
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+DEFINITIONS = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
+DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
+AGENTS = sorted(name for name in SERVICES if name.startswith("agent-"))
+OURS = sorted(name for name, svc in SERVICES.items() if svc.get("image") == "shardserve:dev")
+
+
+def service_parser(role: str) -> Any:
+    name = f"shardserve_{role}.settings"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (name, f"shardserve_{role}"):
+            raise  # a broken import inside the service is a failure, not "not written"
+        pytest.skip(f"{name} is not written yet")
+    return module.build_parser()
+
+
+def test_the_mesh_is_all_there() -> None:
+    assert set(SERVICES) == {"rabbitmq", "export", "scheduler", "gateway", *AGENTS}
+    assert AGENTS == [f"agent-{r}" for r in range(8)]
+    assert set(OURS) == set(SERVICES) - {"rabbitmq"}
+
+
+@pytest.mark.parametrize("name", OURS)
+def test_each_command_is_a_cli_subcommand(name: str) -> None:
+    command = SERVICES[name]["command"]
+    assert command[0] in cli.SUBCOMMANDS
+
+
+@pytest.mark.parametrize("name", [n for n in OURS if n != "export"])
+def test_service_commands_parse_with_the_services_own_parsers(name: str) -> None:
+    role, *args = SERVICES[name]["command"]
+    assert role in cli.SERVICES
+    service_parser(role).parse_args(args)
+
+
+def test_export_command_parses_with_the_cli_parser() -> None:
+    args = cli.build_parser().parse_args(SERVICES["export"]["command"])
+    assert (args.command, args.model, args.rank_size, args.stage_size) == ("export", "matmul", 8, 1)
+    assert (args.strategy, str(args.out), args.if_missing) == ("column", "/models", True)
+
+
+def _agent_args(name: str) -> dict[str, str]:
+    _, *args = SERVICES[name]["command"]
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def test_agents_cover_ranks_0_to_7_exactly_once() -> None:
+    ranks = sorted(int(_agent_args(name)["--rank"]) for name in AGENTS)
+    assert ranks == list(range(8))
+    assert {_agent_args(n)["--servable"] for n in AGENTS} == {"matmul"}
+    assert {_agent_args(n)["--repository"] for n in AGENTS} == {"/models"}
+    export = cli.build_parser().parse_args(SERVICES["export"]["command"])
+    assert export.rank_size == len(AGENTS)
+
+
+def test_agents_parse_to_their_rank_with_the_agent_parser() -> None:
+    parser = service_parser("agent")
+    for name in AGENTS:
+        _, *args = SERVICES[name]["command"]
+        settings = parser.parse_args(args)
+        assert settings.rank == int(name.removeprefix("agent-"))
+
+
+def test_gateway_listens_on_all_interfaces_and_publishes_its_port() -> None:
+    gateway = SERVICES["gateway"]
+    args = dict(zip(gateway["command"][1::2], gateway["command"][2::2], strict=True))
+    assert args["--host"] == "0.0.0.0"
+    assert f"8080:{args['--http-port']}" in gateway["ports"]
+
+
+def test_image_is_built_from_the_dockerfile_whose_entrypoint_is_the_cli() -> None:
+    for name in OURS:
+        assert SERVICES[name]["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert (ROOT / SERVICES[name]["build"]["context"] / "deploy" / "Dockerfile").is_file()
+    assert re.search(r'^ENTRYPOINT \["shardserve"\]$', DOCKERFILE, re.M)
+    assert 'shardserve = "shardserve.cli:main"' in (ROOT / "pyproject.toml").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", DOCKERFILE, re.M)
+    users = re.findall(r"^USER (\S+)$", DOCKERFILE, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert 'VOLUME ["/models"]' in DOCKERFILE
+    # The sources the image installs are the ones pyproject packages.
+    for folder in ("shared", "services"):
+        assert f"COPY {folder} ./{folder}" in DOCKERFILE
+
+
+def test_rabbitmq_has_a_healthcheck_and_loads_the_definitions() -> None:
+    rabbit = SERVICES["rabbitmq"]
+    assert rabbit["healthcheck"]["test"] == ["CMD", "rabbitmq-diagnostics", "-q", "ping"]
+    mounts = {m.split(":")[1]: m.split(":")[0] for m in rabbit["volumes"]}
+    conf = (ROOT / "deploy" / "rabbitmq" / "rabbitmq.conf").read_text()
+    loaded = re.search(r"^load_definitions = (\S+)$", conf, re.M)
+    assert loaded, "rabbitmq.conf must load the definitions"
+    assert mounts[loaded.group(1)] == "./deploy/rabbitmq/definitions.json"
+    assert mounts["/etc/rabbitmq/rabbitmq.conf"] == "./deploy/rabbitmq/rabbitmq.conf"
+
+
+def _depends(name: str) -> dict[str, str]:
+    return {dep: spec["condition"] for dep, spec in SERVICES[name].get("depends_on", {}).items()}
+
+
+def test_depends_on_waits_for_a_healthy_broker_and_a_finished_export() -> None:
+    for name in [*AGENTS, "scheduler"]:
+        deps = _depends(name)
+        assert deps["rabbitmq"] == "service_healthy"
+        assert deps["export"] == "service_completed_successfully"
+    assert _depends("gateway")["rabbitmq"] == "service_healthy"
+    assert _depends("export") == {}
+    assert SERVICES["export"].get("restart") == "no"
+
+
+def test_stop_order_drains_gateway_then_scheduler_then_agents() -> None:
+    graph = {name: set(_depends(name)) for name in SERVICES}
+    start = list(TopologicalSorter(graph).static_order())
+    stop = start[::-1]  # compose stops dependents first
+    assert stop.index("gateway") < stop.index("scheduler")
+    assert all(stop.index("scheduler") < stop.index(agent) for agent in AGENTS)
+    assert stop[-1] == "rabbitmq"
+    for name in ("gateway", "scheduler", *AGENTS):
+        assert SERVICES[name]["stop_grace_period"] == "20s"  # > the services' 10 s drain
+
+
+def test_models_volume_is_read_only_except_for_the_export() -> None:
+    assert "models:/models" in SERVICES["export"]["volumes"]
+    for name in ("scheduler", *AGENTS):
+        assert "models:/models:ro" in SERVICES[name]["volumes"]
+
+
+# ---------------------------------------------------------------- broker users
+
+
+def _amqp_user(name: str) -> tuple[str, str]:
+    url = urlsplit(SERVICES[name]["environment"]["SHARDSERVE_AMQP_URL"])
+    assert url.hostname == "rabbitmq"
+    assert url.username and url.password
+    return url.username, url.password
+
+
+def _password_matches(stored: str, password: str) -> bool:
+    raw = base64.b64decode(stored)
+    salt, digest = raw[:4], raw[4:]
+    return hashlib.sha256(salt + password.encode()).digest() == digest
+
+
+def test_no_guest_and_one_user_per_service_with_the_compose_password() -> None:
+    users = {u["name"]: u for u in DEFINITIONS["users"]}
+    assert "guest" not in users
+    assert set(users) == {"gateway", "scheduler", "agent"}
+    for name in ("gateway", "scheduler", *AGENTS):
+        user, password = _amqp_user(name)
+        assert user == ("agent" if name.startswith("agent-") else name)
+        assert users[user]["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+        assert _password_matches(users[user]["password_hash"], password)
+        assert users[user]["tags"] == []
+    assert not _password_matches(users["agent"]["password_hash"], "gateway-dev-password")
+
+
+EXCHANGE_NAMES = [e.name for e in topology.EXCHANGES]
+DEFAULT_EXCHANGE = "amq.default"
+
+
+def _needs() -> dict[str, dict[str, list[str]]]:
+    """What each service does on the broker, per RabbitMQ permission, from topology.py.
+
+    configure: declare an exchange or queue. write: publish to an exchange; bind a queue
+    (on the queue); be a queue's dead-letter target. read: consume a queue; bind (on the
+    exchange); declare a queue with a dead-letter exchange (on the queue).
+    """
+    reply, status = topology.reply_queue("gw1").name, topology.status_queue("gw1").name
+    scheduler_queues = [
+        topology.REQUEST_QUEUE,
+        topology.SCHEDULER_CONTROL_QUEUE,
+        topology.SCHEDULER_RESULT_QUEUE,
+        topology.DEAD_LETTER_QUEUE,
+    ]
+    agent_queues = [
+        topology.agent_work_queue("matmul", 1, 3).name,
+        topology.agent_collective_queue("matmul", 1, 3).name,
+        topology.agent_control_queue("a1b2").name,
+    ]
+    bound_from = {b.exchange for b in topology.scheduler_bindings()}
+    agent_bound_from = {b.exchange for b in topology.agent_bindings("matmul", 1, 3, 0, "a1b2")}
+    return {
+        "gateway": {
+            "configure": [*EXCHANGE_NAMES, reply, status],
+            "write": [topology.REQUESTS_EXCHANGE, reply, status],
+            "read": [reply, status, topology.CONTROL_EXCHANGE],
+        },
+        "scheduler": {
+            "configure": [*EXCHANGE_NAMES, *scheduler_queues],
+            "write": [
+                topology.STAGE_EXCHANGE,
+                topology.CONTROL_EXCHANGE,
+                topology.DEAD_EXCHANGE,
+                DEFAULT_EXCHANGE,
+                *scheduler_queues,
+            ],
+            "read": [*scheduler_queues, *bound_from],
+        },
+        "agent": {
+            "configure": [*EXCHANGE_NAMES, *agent_queues],
+            "write": [
+                topology.COLLECTIVE_EXCHANGE,
+                topology.CONTROL_EXCHANGE,
+                topology.DEAD_EXCHANGE,
+                DEFAULT_EXCHANGE,
+                *agent_queues,
+            ],
+            "read": [*agent_queues, *agent_bound_from],
+        },
+    }
+
+
+FORBIDDEN = {
+    "gateway": {
+        "read": [topology.REQUEST_QUEUE, topology.agent_work_queue("m", 1, 0).name],
+        "write": [topology.STAGE_EXCHANGE, topology.COLLECTIVE_EXCHANGE, DEFAULT_EXCHANGE],
+    },
+    "scheduler": {
+        "read": [topology.reply_queue("gw1").name, topology.agent_work_queue("m", 1, 0).name],
+        "write": [topology.COLLECTIVE_EXCHANGE],
+        "configure": [topology.agent_work_queue("m", 1, 0).name],
+    },
+    "agent": {
+        "read": [topology.REQUEST_QUEUE, topology.SCHEDULER_RESULT_QUEUE],
+        "write": [topology.REQUESTS_EXCHANGE, topology.STAGE_EXCHANGE],
+        # (not REQUEST_QUEUE: it shares its name with the requests exchange, which every
+        # service declares)
+        "configure": [topology.SCHEDULER_RESULT_QUEUE, topology.SCHEDULER_CONTROL_QUEUE],
+    },
+}
+
+
+def _permissions(user: str) -> dict[str, str]:
+    [entry] = [p for p in DEFINITIONS["permissions"] if p["user"] == user]
+    assert entry["vhost"] == "/"
+    return entry
+
+
+@pytest.mark.parametrize("user", ["gateway", "scheduler", "agent"])
+def test_permissions_allow_what_the_service_does(user: str) -> None:
+    perms = _permissions(user)
+    missing = [
+        f"{kind} {name}"
+        for kind, names in _needs()[user].items()
+        for name in names
+        if not re.search(perms[kind], name)  # RabbitMQ searches, like re.search
+    ]
+    assert missing == []
+
+
+@pytest.mark.parametrize("user", ["gateway", "scheduler", "agent"])
+def test_permissions_refuse_other_services_resources(user: str) -> None:
+    perms = _permissions(user)
+    allowed = [
+        f"{kind} {name}"
+        for kind, names in FORBIDDEN[user].items()
+        for name in names
+        if re.search(perms[kind], name)
+    ]
+    assert allowed == []
+
+
+def test_every_permission_regex_is_anchored() -> None:
+    for entry in DEFINITIONS["permissions"]:
+        for kind in ("configure", "write", "read"):
+            assert entry[kind].startswith("^") and entry[kind].endswith("$"), (entry, kind)
