@@ -44,7 +44,14 @@ BAD_INPUTS = [
     pytest.param(
         "/v2/models/nosuch/infer", {"inputs": [x_input()]}, 404, "nosuch", id="unknown-model"
     ),
-    pytest.param("/v2/models/matmul/infer", {"inputs": []}, 400, "x", id="missing-input"),
+    pytest.param(
+        "/v2/models/matmul/infer",
+        {"inputs": [{"name": "z", "shape": [1], "datatype": "FP32", "data": [1.0]}]},
+        400,
+        "missing input(s): x",
+        id="missing-input",
+    ),
+    pytest.param("/v2/models/matmul/infer", {"inputs": []}, 400, "inputs", id="no-inputs"),
     pytest.param(
         "/v2/models/matmul/infer",
         {"inputs": [x_input(), {"name": "z", "shape": [1], "datatype": "FP32", "data": [1.0]}]},

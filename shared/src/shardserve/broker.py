@@ -54,6 +54,16 @@ class Broker:
         self.healthy = False
         self.dead_lettered = 0
         self.reconnects = 0
+        self._state_listeners: list[Callable[[bool], None]] = []
+
+    def add_state_listener(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(healthy)`` each time the connection is lost (False) or restored
+        (True), e.g. to fail at once what waits for a reply that can no longer come."""
+        self._state_listeners.append(listener)
+
+    def _notify(self, healthy: bool) -> None:
+        for listener in self._state_listeners:
+            listener(healthy)
 
     async def connect(self) -> None:
         """Open the connection (the first attempt must succeed) and the channels."""
@@ -76,11 +86,13 @@ class Broker:
         if self.healthy:
             _logger.warning("broker connection %s lost; reconnecting", self._name)
         self.healthy = False
+        self._notify(False)
 
     def _on_reconnect(self, *_: Any) -> None:
         self.reconnects += 1
         self.healthy = True
         _logger.info("broker connection %s restored (reconnect #%d)", self._name, self.reconnects)
+        self._notify(True)
 
     async def _declare_exchanges(self) -> None:
         assert self._publish is not None and self._confirm is not None

@@ -14,7 +14,8 @@ Flow of one request (see README, "Architecture"):
 
 Control plane (exchange shardserve.control): AgentHello/AgentHeartbeat/AgentBye from
 agents, RegistrationVerdict to one agent, SchedulerHello and MeshStatus from the scheduler,
-JobCancel to the ranks of a group.
+JobCancel to the ranks of a group, RepositoryCommand (load/unload a version) to the
+scheduler.
 """
 
 from __future__ import annotations
@@ -158,6 +159,9 @@ class _AgentState(_Message):
     rss_bytes: int = 0
     inflight: int = 0
     control_key: str = ""
+    jobs_done: int = 0
+    compute_ms_total: float = 0.0
+    collective_ms_total: float = 0.0
 
 
 class AgentHello(_AgentState):
@@ -199,6 +203,19 @@ class SchedulerHello(_Message):
     scheduler: str
 
 
+class RepositoryCommand(_Message):
+    """Load (bring up) or unload (drain, then drop) one servable version without a restart.
+
+    Sent by a gateway (model repository extension) or an operator to key
+    ``scheduler.command``; ``version`` 0 means every version of the servable.
+    """
+
+    kind: Literal["repository.command"] = "repository.command"
+    action: Literal["load", "unload"]
+    servable: str = Field(min_length=1, max_length=128)
+    version: int = Field(default=0, ge=0)
+
+
 class JobCancel(_Message):
     """Ranks drop a job (waiting collectives included): it already has an outcome."""
 
@@ -234,6 +251,10 @@ class RankStatus(BaseModel):
     inflight: int = 0
     host: str = ""
     pid: int = 0
+    load_ms: float = 0.0
+    jobs_done: int = 0
+    compute_ms_total: float = 0.0
+    collective_ms_total: float = 0.0
 
 
 class MethodStatus(BaseModel):
@@ -262,6 +283,12 @@ class ServableStatus(BaseModel):
     methods: tuple[MethodStatus, ...]
     ranks: tuple[RankStatus, ...]
     inflight: int = 0
+    queued: int = 0
+    requests_total: int = 0
+    errors_total: int = 0
+    batches_total: int = 0
+    batched_instances_total: int = 0
+    state: Literal["loading", "available", "unloading", "failed"] = "available"
 
 
 class MeshStatus(_Message):
@@ -271,6 +298,8 @@ class MeshStatus(_Message):
     scheduler: str
     time: float
     servables: tuple[ServableStatus, ...]
+    dead_lettered: int = 0
+    request_queue_depth: int = 0
 
 
 Message = Annotated[
@@ -285,6 +314,7 @@ Message = Annotated[
     | RegistrationVerdict
     | SchedulerHello
     | JobCancel
+    | RepositoryCommand
     | MeshStatus,
     Field(discriminator="kind"),
 ]
@@ -303,5 +333,6 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     RegistrationVerdict,
     SchedulerHello,
     JobCancel,
+    RepositoryCommand,
     MeshStatus,
 )

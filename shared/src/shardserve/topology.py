@@ -6,16 +6,21 @@ layout can be read (and tested) in one place. ``declare_*`` helpers in
 
 Exchanges (type) -> routing key -> bound queues:
 
-- shardserve.requests (topic): <servable> -> shardserve.requests (the scheduler)
+- shardserve.requests (topic): <servable> -> shardserve.requests.q1 (the active scheduler;
+  a quorum queue with single-active-consumer, bounded, per-message expiry from deadlines)
 - shardserve.stage (direct): <servable>.<version>.s<stage>
   -> shardserve.agent.<servable>.<version>.r<rank>, for every rank of that stage
 - shardserve.collective (direct): <servable>.<version>.s<stage>
   -> shardserve.coll.<servable>.<version>.r<rank>, for every rank of that stage
-- shardserve.control (topic): agent.hello|heartbeat|bye -> shardserve.scheduler.control;
+- shardserve.control (topic): agent.hello|heartbeat|bye, scheduler.command
+  -> shardserve.scheduler.control.<scheduler id> (one per scheduler, so a standby sees
+  every hello and heartbeat too);
   scheduler.hello, scheduler.status, instance.<instance>, group.<servable>.<version>
   -> per-agent and per-gateway exclusive queues
 - shardserve.dead (fanout) -> shardserve.dead-letters
-- the default exchange: <queue name> -> scheduler result queue, gateway reply queues
+- the default exchange: <queue name> -> scheduler result queues
+  (shardserve.scheduler.results.<scheduler id>), gateway reply queues,
+  shardserve.scheduler.leader (the leadership token, see ``scheduler_leader_queue``)
 
 A direct exchange with several queues bound under one key is a multicast: the broker
 copies the bytes, so every rank of a stage receives identical input from ONE publish,
@@ -35,9 +40,13 @@ COLLECTIVE_EXCHANGE = "shardserve.collective"
 CONTROL_EXCHANGE = "shardserve.control"
 DEAD_EXCHANGE = "shardserve.dead"
 
-REQUEST_QUEUE = "shardserve.requests"
+# ".q1": the queue became a quorum queue; RabbitMQ refuses to redeclare an existing queue
+# with other arguments (PRECONDITION_FAILED), so a changed type gets a new name.
+REQUEST_QUEUE = "shardserve.requests.q1"
+# Prefixes: each scheduler instance has its own control and result queue (``.<id>``).
 SCHEDULER_CONTROL_QUEUE = "shardserve.scheduler.control"
 SCHEDULER_RESULT_QUEUE = "shardserve.scheduler.results"
+SCHEDULER_LEADER_QUEUE = "shardserve.scheduler.leader"
 DEAD_LETTER_QUEUE = "shardserve.dead-letters"
 
 KEY_AGENT_HELLO = "agent.hello"
@@ -45,6 +54,7 @@ KEY_AGENT_HEARTBEAT = "agent.heartbeat"
 KEY_AGENT_BYE = "agent.bye"
 KEY_SCHEDULER_HELLO = "scheduler.hello"
 KEY_SCHEDULER_STATUS = "scheduler.status"
+KEY_SCHEDULER_COMMAND = "scheduler.command"
 
 # Bounded queues: overload becomes a publisher nack (reject-publish), never a silent drop.
 REQUEST_QUEUE_MAX_LENGTH = 10_000
@@ -97,30 +107,61 @@ def dead_letter_queue() -> Queue:
 
 
 def request_queue() -> Queue:
-    """The scheduler's inbox; durable, bounded, refusing publishes when full."""
+    """The schedulers' inbox: a quorum queue (replicated across a cluster, RabbitMQ 3.8+),
+    bounded and refusing publishes when full; messages expire at their deadline (the
+    per-message expiration set by ``Broker.publish``). Single-active-consumer: only the
+    active scheduler ever receives requests, even while a takeover is in progress."""
     return Queue(
         REQUEST_QUEUE,
         durable=True,
         arguments={
             **_DEAD_LETTERED,
+            "x-queue-type": "quorum",
+            "x-single-active-consumer": True,
             "x-max-length": REQUEST_QUEUE_MAX_LENGTH,
             "x-overflow": "reject-publish",
         },
     )
 
 
-def scheduler_control_queue() -> Queue:
-    return Queue(SCHEDULER_CONTROL_QUEUE, auto_delete=True, arguments=dict(_DEAD_LETTERED))
+def scheduler_leader_queue() -> Queue:
+    """Leadership among schedulers: every scheduler consumes this single-active-consumer
+    queue with prefetch 1; the one that receives the token message (and holds it unacked)
+    is the active scheduler. When it dies, the broker requeues the token and delivers it
+    to the next consumer, which takes over. Quorum, so it survives a broker node's loss."""
+    return Queue(
+        SCHEDULER_LEADER_QUEUE,
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+    )
 
 
-def scheduler_result_queue() -> Queue:
-    return Queue(SCHEDULER_RESULT_QUEUE, auto_delete=True, arguments=dict(_DEAD_LETTERED))
+def scheduler_control_queue(instance: str) -> Queue:
+    """One scheduler instance's control inbox (hellos, heartbeats, byes, commands)."""
+    return Queue(
+        f"{SCHEDULER_CONTROL_QUEUE}.{instance}",
+        exclusive=True,
+        auto_delete=True,
+        arguments=dict(_DEAD_LETTERED),
+    )
 
 
-def scheduler_bindings() -> tuple[Binding, ...]:
+def scheduler_result_queue(instance: str) -> Queue:
+    """Where the ranks send the StageResults of the work this scheduler published."""
+    return Queue(
+        f"{SCHEDULER_RESULT_QUEUE}.{instance}",
+        exclusive=True,
+        auto_delete=True,
+        arguments=dict(_DEAD_LETTERED),
+    )
+
+
+def scheduler_bindings(instance: str) -> tuple[Binding, ...]:
+    control = scheduler_control_queue(instance).name
     return (
         Binding(REQUEST_QUEUE, REQUESTS_EXCHANGE, "#"),
-        Binding(SCHEDULER_CONTROL_QUEUE, CONTROL_EXCHANGE, "agent.*"),
+        Binding(control, CONTROL_EXCHANGE, "agent.*"),
+        Binding(control, CONTROL_EXCHANGE, KEY_SCHEDULER_COMMAND),
         Binding(DEAD_LETTER_QUEUE, DEAD_EXCHANGE, ""),
     )
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gateway_fakes import Gateway, MakeGateway, echo_servable, ok_reply, servable
 
-from shardserve.errors import DeadlineError, ErrorCode, OverloadedError
+from shardserve.errors import DeadlineError, ErrorCode, OverloadedError, http_status
 from shardserve.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
 from shardserve.tensors import Tensor
 
@@ -45,7 +45,9 @@ async def post_error(gw: Gateway, body: Any, status: int, path: str = INFER) -> 
     assert resp.status == status, await resp.text()
     assert resp.headers["Content-Type"] == JSON
     payload = await resp.json()
-    assert set(payload) == {"error"}
+    assert set(payload) <= {"error", "code"}
+    if "code" in payload:  # the ErrorCode agrees with the HTTP status
+        assert http_status(ErrorCode(payload["code"])) == status
     return str(payload["error"])
 
 

@@ -85,6 +85,13 @@ class Kit:
         )
 
     @staticmethod
+    def join(registry: Any, rank: int, now: float, instance: str | None = None, **kw: Any) -> None:
+        """Hello, then the first heartbeat: what makes an accepted rank "ready"."""
+        verdict = registry.hello(Kit.hello(rank, instance, **kw), now)
+        assert verdict.accepted, verdict.reason
+        assert registry.heartbeat(Kit.hello(rank, instance, heartbeat=True, **kw), now)
+
+    @staticmethod
     def tensor(value: float = 1.0) -> Tensor:
         return Tensor.from_numpy(np.full((2, 3), value, np.float32))
 

@@ -64,8 +64,7 @@ def repo(kit: Any, tmp_path: Path) -> Path:
 
 def ready(registry: Registry, kit: Any, servable: str, version: int) -> None:
     for rank in range(2):
-        hello = kit.hello(rank, f"{servable}-{version}-{rank}", servable=servable, version=version)
-        assert registry.hello(hello, 0.0).accepted
+        kit.join(registry, rank, 0.0, f"{servable}-{version}-{rank}", servable=servable, version=version)
 
 
 def refusal(catalog: Catalog, registry: Registry, request: Any) -> InferenceError:

@@ -16,6 +16,7 @@ import uuid
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.broker import Broker
+from shardserve.collective import CollectiveHub
 from shardserve.protocol import (
     CollectivePart,
     JobCancel,
@@ -32,7 +33,6 @@ from shardserve.topology import (
     agent_work_queue,
     stage_key,
 )
-from shardserve_agent.collective import CollectiveHub
 from shardserve_agent.registration import Registration
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
 from shardserve.errors import RepositoryError
 from shardserve.program import OrtSegment
 from shardserve.repository import (
@@ -23,7 +24,6 @@ from shardserve.repository import (
     rank_dir,
     verify_rank_files,
 )
-from shardserve_agent.cache import CacheStatus, CompileCache, SessionConfig
 from shardserve_agent.settings import AgentSettings
 
 _logger = logging.getLogger(__name__)

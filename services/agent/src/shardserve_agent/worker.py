@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from shardserve.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import ErrorCode, InferenceError, ShardserveError
 from shardserve.lifecycle import request_id_var
 from shardserve.program import Env, run_stage
 from shardserve.protocol import ErrorInfo, Message, StageResult, StageWork
 from shardserve.tensors import Tensor, digest_tensors
-from shardserve_agent.collective import CollectiveHub, JobCancelledError
 from shardserve_agent.slice_loader import LoadedSlice
 
 _logger = logging.getLogger(__name__)

@@ -10,6 +10,15 @@ Requests are published with publisher confirms and ``mandatory``: a full request
 scheduler ever declared its queue) is returned -> 503 "scheduler not running". The
 whole exchange (publish + wait) runs under one ``asyncio.timeout`` ending at the
 deadline, so the answer is 504 at the deadline, never later.
+
+Replies that can never come fail at once (503) instead of waiting for the deadline:
+- **scheduler restart**: each pending request remembers the scheduler that was active
+  when it was published (from MeshStatus/SchedulerHello); when another scheduler id
+  appears, the old scheduler's in-memory request state is gone, so those requests fail
+  with "scheduler restarted; request was in flight".
+- **broker outage**: the exclusive reply queue dies with the connection (replies sent
+  meanwhile are dropped by the broker), so everything pending fails with "broker
+  connection lost". New requests get 503 until the robust connection is back.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -32,12 +42,14 @@ from shardserve.errors import (
     OverloadedError,
     UnavailableError,
 )
-from shardserve.protocol import InferReply, InferRequest, Message
+from shardserve.protocol import InferReply, InferRequest, Message, RepositoryCommand
 
 _logger = logging.getLogger(__name__)
 
 REPLY_PREFETCH = 256
 MIN_TIMEOUT_S = 0.001
+SCHEDULER_RESTARTED = "scheduler restarted; request was in flight"
+BROKER_LOST = "broker connection lost; the reply to this request cannot arrive"
 
 
 class Dispatcher(Protocol):
@@ -52,6 +64,16 @@ class Dispatcher(Protocol):
         """Publish ``request`` and return its reply; raise an InferenceError otherwise."""
         ...
 
+    async def command(self, command: RepositoryCommand) -> None:
+        """Publish a model repository command to the scheduler (confirmed)."""
+        ...
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[InferReply]
+    scheduler: str | None  # the scheduler active when the request was published
+
 
 class AmqpDispatcher:
     """The real dispatcher: one reply queue, one future per in-flight correlation id."""
@@ -62,9 +84,11 @@ class AmqpDispatcher:
         self._broker = broker
         self._queue = topology.reply_queue(owner)
         self._wall_clock = wall_clock
-        self._pending: dict[str, asyncio.Future[InferReply]] = {}
+        self._pending: dict[str, _Pending] = {}
         self._closed = False
+        self._scheduler: str | None = None
         self.late_replies = 0
+        self.failed_early = 0
 
     @property
     def available(self) -> bool:
@@ -76,16 +100,48 @@ class AmqpDispatcher:
         return len(self._pending)
 
     async def start(self) -> None:
-        """Declare the exclusive reply queue and start consuming it."""
+        """Declare the exclusive reply queue, start consuming it, watch the connection."""
         await self._broker.declare(self._queue)
         await self._broker.consume(self._queue.name, self._on_reply, prefetch=REPLY_PREFETCH)
+        self._broker.add_state_listener(self.connection_changed)
 
     async def close(self) -> None:
         """Fail whatever still waits (after the drain, normally nothing) and refuse new calls."""
         self._closed = True
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(UnavailableError("gateway is shutting down"))
+        self._fail_pending("gateway is shutting down", lambda _: True)
+
+    def scheduler_seen(self, scheduler: str) -> None:
+        """A status or hello from ``scheduler``: if it is a new one, fail what the previous
+        scheduler had taken (its request state died with it)."""
+        previous, self._scheduler = self._scheduler, scheduler
+        if previous is None or previous == scheduler:
+            return
+        failed = self._fail_pending(
+            SCHEDULER_RESTARTED, lambda p: p.scheduler is not None and p.scheduler != scheduler
+        )
+        _logger.warning(
+            "scheduler changed from %s to %s; failed %d request(s) in flight",
+            previous,
+            scheduler,
+            failed,
+        )
+
+    def connection_changed(self, healthy: bool) -> None:
+        """The broker connection went down (or came back): replies in flight are lost."""
+        if healthy:
+            return
+        failed = self._fail_pending(BROKER_LOST, lambda _: True)
+        if failed:
+            _logger.warning("broker connection lost; failed %d request(s) in flight", failed)
+
+    def _fail_pending(self, message: str, which: Callable[[_Pending], bool]) -> int:
+        failed = 0
+        for pending in self._pending.values():
+            if not pending.future.done() and which(pending):
+                pending.future.set_exception(UnavailableError(message))
+                failed += 1
+        self.failed_early += failed
+        return failed
 
     async def call(self, request: InferRequest) -> InferReply:
         if self._closed:
@@ -97,7 +153,7 @@ class AmqpDispatcher:
             raise DeadlineError("deadline exceeded before the request was sent")
         correlation_id = uuid.uuid4().hex
         future: asyncio.Future[InferReply] = asyncio.get_running_loop().create_future()
-        self._pending[correlation_id] = future
+        self._pending[correlation_id] = _Pending(future, self._scheduler)
         try:
             async with asyncio.timeout(remaining):
                 await self._publish(request, correlation_id)
@@ -106,6 +162,20 @@ class AmqpDispatcher:
             raise DeadlineError(f"deadline exceeded: no reply within {remaining:.3g} s") from None
         finally:
             self._pending.pop(correlation_id, None)
+
+    async def command(self, command: RepositoryCommand) -> None:
+        if self._closed:
+            raise UnavailableError("gateway is shutting down")
+        if not self._broker.healthy:
+            raise UnavailableError("message broker is unreachable")
+        try:
+            await self._broker.publish(
+                topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_COMMAND, command, confirm=True
+            )
+        except UnavailableError as exc:
+            if not self._broker.healthy:
+                raise UnavailableError("message broker is unreachable") from exc
+            raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _publish(self, request: InferRequest, correlation_id: str) -> None:
         try:
@@ -126,7 +196,8 @@ class AmqpDispatcher:
             raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _on_reply(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        future = self._pending.get(incoming.correlation_id or "")
+        pending = self._pending.get(incoming.correlation_id or "")
+        future = pending.future if pending is not None else None
         if future is None or future.done():
             self.late_replies += 1
             _logger.debug("dropping a late or unknown reply %s", incoming.correlation_id)

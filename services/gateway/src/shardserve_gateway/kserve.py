@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 import shardserve
-from shardserve.errors import BadInputError, InternalError, error_for
+from shardserve.errors import BadInputError, ErrorCode, InternalError, error_for
 from shardserve.lifecycle import request_id_var
 from shardserve.protocol import InferReply, InferRequest, TensorSpec
 from shardserve.signature import check_instance
@@ -59,7 +59,7 @@ from shardserve_gateway.state import (
 
 SERVER_NAME = "shardserve"
 PLATFORM = "onnxruntime_onnx"
-EXTENSIONS = ("binary_tensor_data",)
+EXTENSIONS = ("binary_tensor_data", "model_repository")
 THREAD_DECODE_BYTES = 1024 * 1024  # decode bigger bodies off the event loop
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -94,7 +94,7 @@ async def ready(request: web.Request) -> web.Response:
     if not request.app[DISPATCHER_KEY].available:
         reasons.insert(0, "message broker is unreachable")
     if reasons:
-        return error_response(503, "not ready: " + "; ".join(reasons))
+        return error_response(503, "not ready: " + "; ".join(reasons), code=ErrorCode.UNAVAILABLE)
     return json_response({"ready": True})
 
 

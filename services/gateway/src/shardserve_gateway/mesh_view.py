@@ -9,6 +9,10 @@ this gateway, so nothing old is waiting in it at start).
 Model names: the KServe model ``<servable>`` means the servable's default method
 (``predict``, or its first method when it has no ``predict``); ``<servable>:<method>``
 names any other method (see ``kserve`` for why).
+
+The view also tracks which scheduler is active (``MeshStatus.scheduler`` and
+``SchedulerHello``) and tells its listeners when that changes: the dispatcher fails
+requests the previous scheduler had taken.
 """
 
 from __future__ import annotations
@@ -73,12 +77,32 @@ class MeshView:
         self._clock = clock
         self._status: MeshStatus | None = None
         self._received_at = 0.0
+        self._scheduler: str | None = None
+        self._scheduler_listeners: list[Callable[[str], None]] = []
         self.draining = False
+
+    def add_scheduler_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(scheduler_id)`` whenever a different scheduler shows up."""
+        self._scheduler_listeners.append(listener)
 
     def update(self, status: MeshStatus) -> None:
         """Record a status broadcast that just arrived."""
         self._status = status
         self._received_at = self._clock()
+        self.scheduler_seen(status.scheduler)
+
+    def scheduler_seen(self, scheduler: str) -> None:
+        """A message from ``scheduler`` arrived; tell the listeners if it is a new one."""
+        if scheduler == self._scheduler:
+            return
+        self._scheduler = scheduler
+        for listener in self._scheduler_listeners:
+            listener(scheduler)
+
+    @property
+    def scheduler(self) -> str | None:
+        """The id of the scheduler seen last (None before any)."""
+        return self._scheduler
 
     @property
     def status(self) -> MeshStatus | None:
@@ -167,14 +191,20 @@ def require_ready(servable: ServableStatus) -> None:
         )
 
 
+def on_status_message(view: MeshView, message: Message) -> None:
+    """Feed one message of the status queue into the view."""
+    if isinstance(message, MeshStatus):
+        view.update(message)
+    elif isinstance(message, SchedulerHello):
+        _logger.info("scheduler %s started", message.scheduler)
+        view.scheduler_seen(message.scheduler)
+
+
 async def consume_status(broker: Broker, view: MeshView, owner: str) -> None:
     """Declare this gateway's status queue and feed every MeshStatus into the view."""
 
     async def on_status(message: Message, _incoming: AbstractIncomingMessage) -> None:
-        if isinstance(message, MeshStatus):
-            view.update(message)
-        elif isinstance(message, SchedulerHello):
-            _logger.info("scheduler %s started", message.scheduler)
+        on_status_message(view, message)
 
     queue = topology.status_queue(owner)
     await broker.declare(queue, topology.status_bindings(owner))

@@ -11,7 +11,7 @@ import uuid
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from shardserve.errors import InferenceError
+from shardserve.errors import ErrorCode, InferenceError
 from shardserve.lifecycle import request_id_var
 from shardserve_gateway.errors import HttpError
 from shardserve_gateway.responses import error_response
@@ -45,6 +45,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
                 request,
                 400,
                 f"{REQUEST_ID_HEADER} must be 1-{MAX_REQUEST_ID} printable ASCII chars",
+                ErrorCode.BAD_INPUT,
             )
         else:
             response = await handler(request)
@@ -61,29 +62,37 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
 
 @web.middleware
 async def translate_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as ``{"error": ...}`` (``{"error_msg": ...}`` on MindSpore routes)."""
+    """Every error leaves as ``{"error": ..., "code": ...}`` (``{"error_msg": ...}`` on
+    MindSpore routes)."""
     try:
         return await handler(request)
     except InferenceError as exc:
         _log_error(exc.status, exc.message)
-        return _error(request, exc.status, exc.message)
+        return _error(request, exc.status, exc.message, exc.code)
     except HttpError as exc:
         _log_error(exc.status, exc.message)
-        return _error(request, exc.status, exc.message, exc.headers)
+        return _error(request, exc.status, exc.message, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(request, exc.status, _http_message(request, exc), _allow_header(exc))
+        code = ErrorCode.NOT_FOUND if exc.status == 404 else None
+        message = _http_message(request, exc)
+        return _error(request, exc.status, message, code, headers=_allow_header(exc))
     except Exception:
         _logger.exception("internal error on %s %s", request.method, request.path)
-        return _error(request, 500, "internal error (see the gateway log)")
+        return _error(request, 500, "internal error (see the gateway log)", ErrorCode.INTERNAL)
 
 
 def _error(
-    request: web.Request, status: int, message: str, headers: dict[str, str] | None = None
+    request: web.Request,
+    status: int,
+    message: str,
+    code: ErrorCode | None = None,
+    *,
+    headers: dict[str, str] | None = None,
 ) -> web.Response:
     mindspore = request.path.startswith(MINDSPORE_PREFIX)
-    return error_response(status, message, mindspore=mindspore, headers=headers)
+    return error_response(status, message, code=code, mindspore=mindspore, headers=headers)
 
 
 def _log_error(status: int, message: str) -> None:

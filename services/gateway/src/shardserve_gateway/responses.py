@@ -12,6 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from shardserve.errors import ErrorCode
+
 JSON_TYPE = "application/json"
 BINARY_TYPE = "application/octet-stream"
 
@@ -30,17 +32,31 @@ def json_response(
     )
 
 
-def error_body(message: str, *, mindspore: bool = False) -> dict[str, str]:
-    """``{"error": ...}`` (KServe and our own routes) or ``{"error_msg": ...}`` (MindSpore)."""
-    return {"error_msg" if mindspore else "error": message}
+def error_body(
+    message: str, *, code: ErrorCode | None = None, mindspore: bool = False
+) -> dict[str, str]:
+    """``{"error": ..., "code": ...}`` (KServe and our own routes) or ``{"error_msg": ...}``
+    (MindSpore, whose clients know no code).
+
+    ``code`` is the ErrorCode value, so a client can tell apart errors that share an HTTP
+    status (``rank_lost`` and ``overloaded`` are both 503); it is left out for errors no
+    ErrorCode describes (401, 405, 413, 415), where the status says it all.
+    """
+    if mindspore:
+        return {"error_msg": message}
+    body = {"error": message}
+    if code is not None:
+        body["code"] = code.value
+    return body
 
 
 def error_response(
     status: int,
     message: str,
     *,
+    code: ErrorCode | None = None,
     mindspore: bool = False,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     """An error response in the shape of the API the request came through."""
-    return json_response(error_body(message, mindspore=mindspore), status, headers)
+    return json_response(error_body(message, code=code, mindspore=mindspore), status, headers)

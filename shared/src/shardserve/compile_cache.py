@@ -12,6 +12,14 @@ costs a warning, never the agent.
 
 Optimized graphs at ORT_ENABLE_ALL may hold CPU-specific kernels; that is why the CPU
 flags are in the key. Treat the folder like code: only the agent's user may write it.
+
+Shared by the agent, ``shardserve warmup`` (fills the cache ahead of time) and the
+standalone per-rank run (``shardserve.lite``): all three compute the same key, so a cache
+built by one is hit by the others. Two modes, as in MindSpore Lite's config file:
+``standard`` (the agent's: ORT_ENABLE_ALL, onnxruntime's memory arena and planned memory
+patterns) and ``mem_opt`` (lower peak memory: extended optimizations without the
+CPU-layout rewrites, no arena, no pre-planned patterns). The mode changes the saved graph,
+so it is part of the key (through the optimization level).
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,7 +42,21 @@ from shardserve.repository import sha256_file
 _logger = logging.getLogger(__name__)
 
 CacheStatus = Literal["hit", "miss", "off"]
+CacheMode = Literal["standard", "mem_opt"]
+CACHE_MODES: tuple[CacheMode, ...] = ("standard", "mem_opt")
 OPT_LEVEL_NAME = "ORT_ENABLE_ALL"
+MEM_OPT_LEVEL_NAME = "ORT_ENABLE_EXTENDED"
+
+
+def default_cache_dir(
+    servable: str, version: int, rank: int, environ: Mapping[str, str] | None = None
+) -> Path:
+    """The agent's default cache folder of one rank:
+    ``$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<rank>`` (``~/.cache`` when unset).
+    """
+    env = os.environ if environ is None else environ
+    base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "shardserve" / servable / str(version) / f"rank_{rank}"
 
 
 @dataclass(frozen=True)
@@ -43,17 +65,25 @@ class SessionConfig:
 
     intra_op_threads: int = 1
     inter_op_threads: int = 1
+    mode: CacheMode = "standard"
+
+    @property
+    def opt_level_name(self) -> str:
+        return MEM_OPT_LEVEL_NAME if self.mode == "mem_opt" else OPT_LEVEL_NAME
 
     def options(self, optimize: bool) -> ort.SessionOptions:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = self.intra_op_threads
         opts.inter_op_num_threads = self.inter_op_threads
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        level = getattr(ort.GraphOptimizationLevel, self.opt_level_name)
         opts.graph_optimization_level = (
-            ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if optimize
-            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            level if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         )
+        if self.mode == "mem_opt":
+            # Allocate per run instead of keeping onnxruntime's arena and planned buffers.
+            opts.enable_cpu_mem_arena = False
+            opts.enable_mem_pattern = False
         return opts
 
 
@@ -129,6 +159,7 @@ class CompileCache:
             config=self.config,
             ort_version=self._ort_version,
             cpu=self._cpu,
+            opt_level=self.config.opt_level_name,
         )
 
     def open(self, path: Path, slice_sha256: str) -> tuple[ort.InferenceSession, CacheStatus]:

@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
+from shardserve.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import DeadlineError
 from shardserve.protocol import CollectivePart
 from shardserve.tensors import Tensor
-from shardserve_agent.collective import CollectiveHub, JobCancelledError
 
 
 class ManualClock:

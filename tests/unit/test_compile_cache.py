@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from shardserve.compile_cache import CompileCache, SessionConfig, cache_key, cpu_features
 from shardserve.export.matmul import export_matmul
 from shardserve.repository import load_group, verify_rank_files
-from shardserve_agent.cache import CompileCache, SessionConfig, cache_key, cpu_features
 
 BASE = dict(
     slice_sha256="a" * 64,

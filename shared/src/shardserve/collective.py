@@ -5,6 +5,10 @@ Every rank of a stage runs jobs in the same order, one at a time, so at most one
 buffered by (job, step). Parts of jobs that already ended (finished, cancelled, dropped)
 are discarded, and the buffer is bounded, so a job this rank never runs cannot leak.
 Waiting is bounded by the job's deadline and aborted by a JobCancel.
+
+Transport-free (parts go out through a ``publish`` callback, come in through ``accept``):
+the agent wires it to its stage's collective queue, the standalone per-rank run
+(``shardserve.lite``) to its run-scoped queue.
 """
 
 from __future__ import annotations

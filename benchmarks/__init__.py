@@ -1,0 +1,17 @@
+"""shardserve benchmarks: every figure a ratio against a baseline measured in the same run.
+
+Run from the repository root (the package is not installed with shardserve)::
+
+    python -m benchmarks [--quick] [--only NAME ...] [--json benchmarks/results/<commit>.json]
+
+Modules, one concept each:
+
+- ``loadgen``: the one closed-loop load generator (N workers, fixed duration, warm-up
+  excluded) and latency statistics;
+- ``bodies``: KServe v2 request bodies (JSON and binary extension), identical for every target;
+- ``floor_server``: the floor, a single-process aiohttp + onnxruntime KServe v2 server;
+- ``broker_hop``: the broker limit, a raw request/reply over RabbitMQ with aio-pika;
+- ``meshes``: real meshes (``shardserve up``) on a dedicated RabbitMQ vhost;
+- ``scenarios``: what is measured, one function per named scenario;
+- ``report``: the ratios against their targets, the table, the JSON file.
+"""

@@ -1,0 +1,119 @@
+"""The floor: one process, aiohttp + onnxruntime, KServe v2 infer (JSON and binary).
+
+What a minimal single-process server costs for the same request body the mesh gets: HTTP,
+JSON (or binary-extension) decode, one ``session.run`` on the unsliced model, encode.
+No broker, no validation beyond what decoding needs. The mesh is compared against it.
+
+    python -m benchmarks.floor_server --model MODEL.onnx --port 8500 [--threads 1]
+
+Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from aiohttp import web
+
+from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+SESSION_KEY = web.AppKey("session", ort.InferenceSession)
+
+
+def load_session(model: Path, threads: int) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+
+
+def decode_inputs(body: bytes, header_length: str | None) -> tuple[dict[str, np.ndarray], bool]:
+    """(inputs, binary_output) from a KServe v2 JSON or binary-extension body."""
+    json_end = len(body) if header_length is None else int(header_length)
+    doc = json.loads(body[:json_end])
+    offset = json_end
+    inputs: dict[str, np.ndarray] = {}
+    for spec in doc["inputs"]:
+        dtype = np.dtype(DATATYPE_TO_DTYPE[spec["datatype"]])
+        size = spec.get("parameters", {}).get("binary_data_size")
+        if size is None:
+            array = np.asarray(spec["data"], dtype=dtype)
+        else:
+            array = np.frombuffer(body, dtype=dtype, count=size // dtype.itemsize, offset=offset)
+            offset += size
+        inputs[spec["name"]] = array.reshape(spec["shape"])
+    binary = bool(doc.get("parameters", {}).get("binary_data_output", False))
+    return inputs, binary
+
+
+def encode_outputs(
+    model: str, outputs: dict[str, np.ndarray], binary: bool
+) -> tuple[bytes, dict[str, str]]:
+    entries: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name, array in outputs.items():
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": DTYPE_TO_DATATYPE[array.dtype.str],
+            "shape": list(array.shape),
+        }
+        if binary:
+            blob = np.ascontiguousarray(array).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        entries.append(entry)
+    header = json.dumps({"model_name": model, "outputs": entries}, separators=(",", ":")).encode()
+    if not blobs:
+        return header, {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
+    return b"".join([header, *blobs]), headers
+
+
+async def infer(request: web.Request) -> web.Response:
+    session = request.app[SESSION_KEY]
+    body = await request.read()
+    inputs, binary = decode_inputs(body, request.headers.get(HEADER_LENGTH))
+    names = [o.name for o in session.get_outputs()]
+    values = session.run(names, inputs)
+    outputs = dict(zip(names, values, strict=True))
+    data, headers = encode_outputs(request.match_info["model"], outputs, binary)
+    return web.Response(body=data, headers=headers)
+
+
+async def ready(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"ready":true}', content_type="application/json")
+
+
+def create_app(model: Path, threads: int = 1, max_body_mb: int = 256) -> web.Application:
+    app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
+    app[SESSION_KEY] = load_session(model, threads)
+    app.router.add_get("/v2/health/ready", ready)
+    app.router.add_post("/v2/models/{model}/infer", infer)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.floor_server")
+    parser.add_argument("--model", type=Path, required=True, help="the unsliced ONNX model")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8500)
+    parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    args = parser.parse_args(argv)
+    web.run_app(
+        create_app(args.model, args.threads), host=args.host, port=args.port, print=None
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

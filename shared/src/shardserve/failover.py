@@ -1,0 +1,67 @@
+"""A robust AMQP connection that fails over between several brokers (a cluster's nodes).
+
+aio-pika's ``RobustConnection`` owns the one reconnect path: when the connection is lost
+it retries every ``reconnect_interval`` and, once connected, restores channels,
+exchanges, queues and consumers. It retries a single URL, though. ``FailoverConnection``
+keeps that path and changes only *where* it reconnects: each failed connect attempt moves
+to the next URL of the list (round robin), so losing a node means one failed attempt on
+it, then a reconnect to the next node, restoring everything there.
+
+The hook is RobustConnection's private per-attempt method; ``tests/unit`` checks that it
+still exists, so an aio-pika upgrade that renames it fails loudly instead of silently
+retrying one node forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aio_pika.robust_connection import RobustConnection
+from yarl import URL
+
+_logger = logging.getLogger(__name__)
+
+# RobustConnection's per-attempt method (name-mangled ``__connect_transport``).
+ATTEMPT_HOOK = "_RobustConnection__connect_transport"
+_ROBUST_ONLY = ("reconnect_interval", "fail_fast")
+
+
+def _redacted(url: URL) -> str:
+    return str(url.with_password("***")) if url.password else str(url)
+
+
+class FailoverConnection(RobustConnection):
+    """``RobustConnection`` over a list of URLs; ``start`` is the index tried first."""
+
+    def __init__(self, urls: list[str], start: int = 0, **kwargs: Any) -> None:
+        if not urls:
+            raise ValueError("FailoverConnection needs at least one URL")
+        self._urls = [URL(u) for u in urls]
+        self._index = start % len(self._urls)
+        super().__init__(self._urls[self._index], **kwargs)
+
+    @property
+    def current_url(self) -> str:
+        return _redacted(self.url)
+
+    def _advance(self) -> None:
+        """Point the next attempt at the next broker, with that URL's own parameters."""
+        if len(self._urls) == 1:
+            return
+        self._index = (self._index + 1) % len(self._urls)
+        context = self.kwargs.get("context")
+        kept = {k: self.kwargs[k] for k in _ROBUST_ONLY if k in self.kwargs}
+        self.url = self._urls[self._index]
+        self.kwargs = {**self._parse_parameters(dict(self.url.query)), **kept}
+        for name in _ROBUST_ONLY:
+            self.kwargs.pop(name, None)  # RobustConnection keeps these as attributes
+        self.kwargs["context"] = context
+        _logger.warning("broker unreachable; next attempt goes to %s", _redacted(self.url))
+
+    async def _RobustConnection__connect_transport(self) -> None:  # noqa: N802 - see ATTEMPT_HOOK
+        try:
+            await getattr(super(), ATTEMPT_HOOK)()
+        except Exception:
+            self._advance()
+            raise
