@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8500)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     args = parser.parse_args(argv)
-    web.run_app(
-        create_app(args.model, args.threads), host=args.host, port=args.port, print=None
-    )
+    web.run_app(create_app(args.model, args.threads), host=args.host, port=args.port, print=None)
     return 0
 
 

@@ -166,9 +166,7 @@ def http_post(
     return call
 
 
-async def load_http(
-    url: str, body: bytes, headers: dict[str, str], spec: LoadSpec
-) -> LoadResult:
+async def load_http(url: str, body: bytes, headers: dict[str, str], spec: LoadSpec) -> LoadResult:
     """Closed-loop HTTP load against one URL with one fixed body."""
     async with http_session(spec.concurrency) as session:
         return await run_load(http_post(session, url, body, headers), spec)

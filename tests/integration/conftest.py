@@ -126,13 +126,20 @@ class Mesh:
 
 def export(kind: str, out: Path, *args: str) -> Path:
     """Run `shardserve export KIND ...` as a user would; return the repository."""
-    subprocess.run(
+    done = subprocess.run(
         [SHARDSERVE, "export", kind, *args, "--out", str(out)],
-        check=True,
         capture_output=True,
         timeout=300,
+        text=True,
     )
+    assert done.returncode == 0, f"export failed: {done.stderr}"
     return out
+
+
+@pytest.fixture(scope="session")
+def export_repo() -> Any:
+    """`export_repo(kind, out, *args)` runs `shardserve export` and returns the repository."""
+    return export
 
 
 @pytest.fixture(scope="module")

@@ -80,9 +80,10 @@ async def brokers(role_urls: dict[str, str]) -> AsyncIterator[dict[str, Broker]]
 async def test_each_service_user_can_do_its_job(brokers: dict[str, Broker]) -> None:
     scheduler, gateway, agent = brokers["scheduler"], brokers["gateway"], brokers["agent"]
     # scheduler: its queues, bindings and consumers
-    bindings = topology.scheduler_bindings()
-    for queue in (topology.request_queue(), topology.scheduler_control_queue(),
-                  topology.scheduler_result_queue(), topology.dead_letter_queue()):  # fmt: skip
+    bindings = topology.scheduler_bindings("s1")
+    for queue in (topology.request_queue(), topology.scheduler_control_queue("s1"),
+                  topology.scheduler_result_queue("s1"), topology.dead_letter_queue(),
+                  topology.scheduler_leader_queue()):  # fmt: skip
         await scheduler.declare(queue, bindings)
         await scheduler.consume(queue.name, _noop, prefetch=1)
     # gateway: reply and status queues, then a request reaches the scheduler's queue
@@ -103,12 +104,14 @@ async def test_each_service_user_can_do_its_job(brokers: dict[str, Broker]) -> N
     await agent.publish_raw(topology.COLLECTIVE_EXCHANGE, key, b"part", confirm=True)
     await agent.publish_raw(topology.CONTROL_EXCHANGE, topology.KEY_AGENT_HELLO, b"hi",
                             confirm=True)  # fmt: skip
-    await agent.publish_raw("", topology.SCHEDULER_RESULT_QUEUE, b"result", confirm=True)
+    result_queue = topology.scheduler_result_queue("s1").name
+    await agent.publish_raw("", result_queue, b"result", confirm=True)
     # scheduler: stage work to the agents, control to them, a reply to the gateway
     await scheduler.publish_raw(topology.STAGE_EXCHANGE, key, b"work", confirm=True)
     await scheduler.publish_raw(topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_STATUS,
                                 b"status", confirm=True)  # fmt: skip
     await scheduler.publish_raw("", reply.name, b"reply", confirm=True)
+    await scheduler.publish_raw("", topology.SCHEDULER_LEADER_QUEUE, b"token", confirm=True)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +120,7 @@ async def test_each_service_user_can_do_its_job(brokers: dict[str, Broker]) -> N
         ("agent", topology.REQUESTS_EXCHANGE, "matmul"),
         ("agent", topology.STAGE_EXCHANGE, "matmul.1.s0"),
         ("gateway", topology.STAGE_EXCHANGE, "matmul.1.s0"),
-        ("gateway", "", topology.SCHEDULER_RESULT_QUEUE),
+        ("gateway", "", topology.scheduler_result_queue("s1").name),
     ],
 )
 async def test_publishing_outside_the_role_is_refused(
@@ -135,7 +138,7 @@ async def test_reading_another_services_queue_is_refused(role_urls: dict[str, st
     scheduler = await connected(role_urls["scheduler"], "perm-owner")
     agent = await connected(role_urls["agent"], "perm-thief")
     try:
-        await scheduler.declare(topology.request_queue(), topology.scheduler_bindings())
+        await scheduler.declare(topology.request_queue(), topology.scheduler_bindings("s1"))
         with pytest.raises(Exception, match="ACCESS_REFUSED"):
             await agent.consume(topology.REQUEST_QUEUE, _noop, prefetch=1)
     finally:

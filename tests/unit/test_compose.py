@@ -194,8 +194,9 @@ def _needs() -> dict[str, dict[str, list[str]]]:
     reply, status = topology.reply_queue("gw1").name, topology.status_queue("gw1").name
     scheduler_queues = [
         topology.REQUEST_QUEUE,
-        topology.SCHEDULER_CONTROL_QUEUE,
-        topology.SCHEDULER_RESULT_QUEUE,
+        topology.scheduler_control_queue("sched-1").name,
+        topology.scheduler_result_queue("sched-1").name,
+        topology.SCHEDULER_LEADER_QUEUE,
         topology.DEAD_LETTER_QUEUE,
     ]
     agent_queues = [
@@ -203,7 +204,7 @@ def _needs() -> dict[str, dict[str, list[str]]]:
         topology.agent_collective_queue("matmul", 1, 3).name,
         topology.agent_control_queue("a1b2").name,
     ]
-    bound_from = {b.exchange for b in topology.scheduler_bindings()}
+    bound_from = {b.exchange for b in topology.scheduler_bindings("sched-1")}
     agent_bound_from = {b.exchange for b in topology.agent_bindings("matmul", 1, 3, 0, "a1b2")}
     return {
         "gateway": {
@@ -247,11 +248,14 @@ FORBIDDEN = {
         "configure": [topology.agent_work_queue("m", 1, 0).name],
     },
     "agent": {
-        "read": [topology.REQUEST_QUEUE, topology.SCHEDULER_RESULT_QUEUE],
+        "read": [topology.REQUEST_QUEUE, topology.scheduler_result_queue("s").name],
         "write": [topology.REQUESTS_EXCHANGE, topology.STAGE_EXCHANGE],
-        # (not REQUEST_QUEUE: it shares its name with the requests exchange, which every
-        # service declares)
-        "configure": [topology.SCHEDULER_RESULT_QUEUE, topology.SCHEDULER_CONTROL_QUEUE],
+        # (REQUEST_QUEUE has its own name since it became a quorum queue, ".q1")
+        "configure": [
+            topology.scheduler_result_queue("s").name,
+            topology.scheduler_control_queue("s").name,
+            topology.REQUEST_QUEUE,
+        ],
     },
 }
 

@@ -7,7 +7,10 @@ Channels:
 - ``consume``: manual acks, explicit prefetch per consumer.
 
 Reconnects happen in one place, aio-pika's robust connection; callbacks flip
-``healthy`` so readiness reflects an outage.
+``healthy`` so readiness reflects an outage. With several broker URLs (a cluster's nodes,
+comma-separated in SHARDSERVE_AMQP_URL) the first connect tries them in order, and the
+robust connection's reconnect attempts move to the next URL after each failure
+(``shardserve.failover.FailoverConnection``): still one reconnect path.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from aio_pika.abc import (
     AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
-    AbstractRobustConnection,
 )
 
 from shardserve import codec
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
+from shardserve.failover import FailoverConnection
 from shardserve.protocol import Message
 from shardserve.settings import BrokerSettings
 from shardserve.topology import EXCHANGES, Binding, Queue
@@ -36,6 +39,9 @@ _logger = logging.getLogger(__name__)
 
 MessageHandler = Callable[[Message, AbstractIncomingMessage], Awaitable[None]]
 
+# Bounds one connect attempt, so a node that black-holes packets is left for the next.
+CONNECT_TIMEOUT_S = 5.0
+
 
 class Broker:
     """A service's connection to RabbitMQ, with its channels and declared topology."""
@@ -43,7 +49,7 @@ class Broker:
     def __init__(self, settings: BrokerSettings, name: str) -> None:
         self._settings = settings
         self._name = name
-        self._connection: AbstractRobustConnection | None = None
+        self._connection: FailoverConnection | None = None
         self._publish: AbstractChannel | None = None
         self._confirm: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
@@ -66,13 +72,8 @@ class Broker:
             listener(healthy)
 
     async def connect(self) -> None:
-        """Open the connection (the first attempt must succeed) and the channels."""
-        url = self._settings.url
-        sep = "&" if "?" in url else "?"
-        full = f"{url}{sep}heartbeat={self._settings.heartbeat_s}&name={self._name}"
-        self._connection = await aio_pika.connect_robust(
-            full, reconnect_interval=self._settings.reconnect_interval_s
-        )
+        """Open the connection (one of the brokers must answer now) and the channels."""
+        self._connection = await self._first_connection()
         self._connection.close_callbacks.add(self._on_close)
         self._connection.reconnect_callbacks.add(self._on_reconnect)
         self._publish = await self._connection.channel(publisher_confirms=False)
@@ -81,6 +82,34 @@ class Broker:
         )
         await self._declare_exchanges()
         self.healthy = True
+
+    async def _first_connection(self) -> FailoverConnection:
+        """Try each broker URL in order; the first that answers becomes the current one."""
+        urls = [self._with_options(url) for url in self._settings.urls]
+        failures: list[str] = []
+        for start in range(len(urls)):
+            connection = FailoverConnection(
+                urls, start, reconnect_interval=self._settings.reconnect_interval_s
+            )
+            try:
+                await connection.connect(timeout=CONNECT_TIMEOUT_S)
+            except Exception as exc:  # any failure: try the next broker, report them all
+                if len(urls) == 1:
+                    raise
+                failures.append(f"{connection.current_url}: {exc or type(exc).__name__}")
+                await connection.close()
+                continue
+            return connection
+        raise ConnectionError("no broker answered: " + "; ".join(failures))
+
+    def _with_options(self, url: str) -> str:
+        sep = "&" if "?" in url else "?"
+        return f"{url}{sep}heartbeat={self._settings.heartbeat_s}&name={self._name}"
+
+    @property
+    def current_url(self) -> str:
+        """The broker this connection uses now (password hidden)."""
+        return self._connection.current_url if self._connection is not None else ""
 
     def _on_close(self, *_: Any) -> None:
         if self.healthy:
@@ -191,6 +220,24 @@ class Broker:
             await self._dispatch(incoming, handler)
 
         tag = await q.consume(on_message, exclusive=exclusive)
+        self._consumers[tag] = q
+        return tag
+
+    async def consume_raw(
+        self,
+        queue: str,
+        callback: Callable[[AbstractIncomingMessage], Awaitable[None]],
+        *,
+        prefetch: int,
+    ) -> str:
+        """Consume a declared queue without decoding or settling: ``callback`` owns the ack
+        (e.g. a leadership token held unacked for as long as its holder lives)."""
+        assert self._connection is not None
+        channel = await self._connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        self._consume_channels.append(channel)
+        q = await channel.get_queue(queue, ensure=False)
+        tag = await q.consume(callback)
         self._consumers[tag] = q
         return tag
 

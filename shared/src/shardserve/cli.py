@@ -305,6 +305,7 @@ def _run_up(args: argparse.Namespace) -> int:
         threads=args.threads,
         no_cache=args.no_cache,
         grace_seconds=args.grace_seconds,
+        schedulers=args.schedulers,
     )
     return run_up(options)
 
@@ -326,6 +327,12 @@ def build_up(subparsers: Subparsers) -> None:
     parser.add_argument("--wait-agents-seconds", type=float, default=0.0)
     parser.add_argument("--threads", type=_positive_int, default=1, help="onnxruntime threads")
     parser.add_argument("--no-cache", action="store_true", help="agents skip the session cache")
+    parser.add_argument(
+        "--schedulers",
+        type=_positive_int,
+        default=1,
+        help="scheduler processes: one active, the others standby, taking over when it dies",
+    )
     parser.add_argument(
         "--grace-seconds",
         type=float,
@@ -354,6 +361,24 @@ def build_status(subparsers: Subparsers) -> None:
     parser.set_defaults(handler=_run_status)
 
 
+def _build_chaos(subparsers: Subparsers) -> None:
+    from shardserve.chaos import build_chaos
+
+    build_chaos(subparsers)
+
+
+def _build_run_rank(subparsers: Subparsers) -> None:
+    from shardserve.runrank import build_run_rank
+
+    build_run_rank(subparsers)
+
+
+def _build_warmup(subparsers: Subparsers) -> None:
+    from shardserve.warmup import build_warmup
+
+    build_warmup(subparsers)
+
+
 # ---------------------------------------------------------------- entry point
 
 SUBCOMMANDS: dict[str, Callable[[Subparsers], None]] = {
@@ -361,6 +386,9 @@ SUBCOMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "slice": build_slice,
     "up": build_up,
     "status": build_status,
+    "run-rank": _build_run_rank,
+    "warmup": _build_warmup,
+    "chaos": _build_chaos,
     **{service: _service_builder(service) for service in SERVICES},
 }
 

@@ -51,15 +51,14 @@ class FailoverConnection(RobustConnection):
             return
         self._index = (self._index + 1) % len(self._urls)
         context = self.kwargs.get("context")
-        kept = {k: self.kwargs[k] for k in _ROBUST_ONLY if k in self.kwargs}
         self.url = self._urls[self._index]
-        self.kwargs = {**self._parse_parameters(dict(self.url.query)), **kept}
+        self.kwargs = self._parse_parameters(dict(self.url.query))
         for name in _ROBUST_ONLY:
             self.kwargs.pop(name, None)  # RobustConnection keeps these as attributes
         self.kwargs["context"] = context
         _logger.warning("broker unreachable; next attempt goes to %s", _redacted(self.url))
 
-    async def _RobustConnection__connect_transport(self) -> None:  # noqa: N802 - see ATTEMPT_HOOK
+    async def _RobustConnection__connect_transport(self) -> None:  # see ATTEMPT_HOOK
         try:
             await getattr(super(), ATTEMPT_HOOK)()
         except Exception:

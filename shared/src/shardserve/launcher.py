@@ -70,6 +70,7 @@ class UpOptions:
     no_cache: bool = False
     grace_seconds: float = 15.0
     status_interval: float = 0.5
+    schedulers: int = 1  # >1: one active, the others standby (see shardserve_scheduler.service)
 
 
 # ---------------------------------------------------------------- repository
@@ -160,18 +161,13 @@ def plan_children(
         for g in groups
         for rank in range(g.rank_size)
     ]
-    scheduler = ChildSpec(
-        "scheduler",
-        _service_argv(
-            "scheduler",
-            "--repository",
-            str(repo),
-            "--wait-agents-seconds",
-            f"{options.wait_agents_seconds:g}",
-            "--heartbeat-timeout",
-            f"{HEARTBEAT_TIMEOUT_S:g}",
-        ),
-    )
+    schedulers = [
+        ChildSpec(
+            "scheduler" if options.schedulers == 1 else f"scheduler {index}",
+            _scheduler_argv(repo, options),
+        )
+        for index in range(options.schedulers)
+    ]
     gateway = ChildSpec(
         "gateway",
         _service_argv(
@@ -182,7 +178,19 @@ def plan_children(
             str(options.http_port),
         ),
     )
-    return {"scheduler": [scheduler], "agent": agents, "gateway": [gateway]}
+    return {"scheduler": schedulers, "agent": agents, "gateway": [gateway]}
+
+
+def _scheduler_argv(repo: Path, options: UpOptions) -> tuple[str, ...]:
+    return _service_argv(
+        "scheduler",
+        "--repository",
+        str(repo),
+        "--wait-agents-seconds",
+        f"{options.wait_agents_seconds:g}",
+        "--heartbeat-timeout",
+        f"{HEARTBEAT_TIMEOUT_S:g}",
+    )
 
 
 def _versions(groups: list[GroupConfig], group: GroupConfig) -> bool:

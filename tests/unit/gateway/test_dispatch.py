@@ -37,6 +37,13 @@ class StandInBroker:
         self.handler, self.prefetch = handler, prefetch
         return "ctag"
 
+    def add_state_listener(self, listener: Any) -> None:
+        self.state_listener = listener
+
+    def lose_connection(self) -> None:
+        self.healthy = False
+        self.state_listener(False)
+
     async def publish(self, exchange: str, key: str, message: Any, **props: Any) -> None:
         if self.fail_with is not None:
             raise self.fail_with

@@ -89,7 +89,7 @@ def test_version_zero_is_the_highest_ready_version(kit: Any, repo: Path) -> None
 
 def test_no_ready_version_names_the_missing_ranks(kit: Any, repo: Path) -> None:
     catalog, registry = setup(repo)
-    registry.hello(kit.hello(0, servable="matmul", version=2), 0.0)
+    kit.join(registry, 0, 0.0, servable="matmul", version=2)
     err = refusal(catalog, registry, kit.request(version=0))
     assert err.code == ErrorCode.UNAVAILABLE
     assert err.message == "matmul v2 is not ready: rank 1 missing"

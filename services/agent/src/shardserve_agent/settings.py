@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardserve.compile_cache import CACHE_MODES, CacheMode
 from shardserve.settings import BrokerSettings
 
 ENV_PREFIX = "SHARDSERVE_AGENT_"
@@ -29,6 +30,19 @@ CACHE_DIR_HELP = (
     "to ~/.cache), so the model repository can stay read-only. An unwritable folder only "
     "disables the cache, with a warning."
 )
+CACHE_MODE_HELP = (
+    "standard (default) or mem_opt (MindSpore Lite's model_cache_mode=mem_opt): lower "
+    "memory; the cached graph keeps its weights in a page-aligned data file that "
+    "onnxruntime maps into memory and runs from directly (weight prepacking off, no memory "
+    "arena), so the weights are clean file pages instead of a private copy. A missing "
+    "artefact falls back to the regular load (logged) and is written for the next start. "
+    "See shardserve.compile_cache."
+)
+SHARE_WEIGHTS_HELP = (
+    "hold one copy of a weight that several of this rank's segments contain (same name, "
+    "same bytes) and hand it to every session that uses it (default on). Those sessions "
+    "run with weight prepacking off: a packed copy per session would undo the saving."
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,8 @@ class AgentSettings:
     threads: int = 1
     cache_dir: Path | None = None  # None: the default folder (see CACHE_DIR_HELP)
     use_cache: bool = True
+    cache_mode: CacheMode = "standard"
+    share_weights: bool = True
     max_memory_mb: int | None = None
     heartbeat_interval: float = 1.0
     drain_seconds: float = 10.0
@@ -78,6 +94,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def _cache_mode(text: str) -> CacheMode:
+    for mode in CACHE_MODES:
+        if text == mode:
+            return mode
+    raise ValueError(f"unknown cache mode {text!r}")
 
 
 def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -145,6 +168,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         default=_env_bool(env, "CACHE", True),
         help="do not use the compile cache",
     )
+    add(
+        "--cache-mode",
+        choices=CACHE_MODES,
+        default=default("CACHE_MODE") or "standard",
+        help=CACHE_MODE_HELP,
+    )
+    add(
+        "--share-weights",
+        action=argparse.BooleanOptionalAction,
+        default=_env_bool(env, "SHARE_WEIGHTS", True),
+        help=SHARE_WEIGHTS_HELP,
+    )
     add("--max-memory-mb", type=_positive_int, default=default("MAX_MEMORY_MB"), help=MEMORY_HELP)
     add(
         "--heartbeat-interval",
@@ -166,7 +201,10 @@ def parse_settings(
 ) -> AgentSettings:
     """Parse the command line (exits with code 2 on a usage error)."""
     env = os.environ if environ is None else environ
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
+    if args.cache_mode not in CACHE_MODES:  # a bad SHARDSERVE_AGENT_CACHE_MODE value
+        parser.error(f"--cache-mode must be one of {'|'.join(CACHE_MODES)}, not {args.cache_mode!r}")
     # argparse applies ``type`` to string defaults, so env values are checked the same way.
     return AgentSettings(
         repository=args.repository,
@@ -176,6 +214,8 @@ def parse_settings(
         threads=int(args.threads),
         cache_dir=args.cache_dir,
         use_cache=bool(args.use_cache),
+        cache_mode=_cache_mode(args.cache_mode),
+        share_weights=bool(args.share_weights),
         max_memory_mb=None if args.max_memory_mb is None else int(args.max_memory_mb),
         heartbeat_interval=float(args.heartbeat_interval),
         drain_seconds=max(0.0, float(args.drain_seconds)),

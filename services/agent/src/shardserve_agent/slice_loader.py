@@ -1,7 +1,11 @@
 """Load one rank's slice: check its files, then open one onnxruntime session per segment.
 
 Only ``<repo>/<servable>/<version>/rank_<r>/`` is read (plus group.json); other ranks'
-folders are never opened.
+folders are never opened. Every file of the rank (segments and their external data) is
+checked against its sha256; sessions are opened only for the segments the stage program
+runs, after ``check_external_data`` proved each one's external data stays in the rank
+folder and is among the checksummed files. Weights several segments share are loaded
+once (``shared_weights``).
 """
 
 from __future__ import annotations
@@ -9,14 +13,15 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
-from shardserve.errors import RepositoryError
+from shardserve.errors import RepositoryError, UnsafePathError
 from shardserve.program import OrtSegment
 from shardserve.repository import (
     GroupConfig,
+    RunOp,
     StageSpec,
     list_versions,
     load_group,
@@ -24,7 +29,9 @@ from shardserve.repository import (
     rank_dir,
     verify_rank_files,
 )
+from shardserve.slicing import check_external_data
 from shardserve_agent.settings import AgentSettings
+from shardserve_agent.shared_weights import SharedWeights, find_shared_weights
 
 _logger = logging.getLogger(__name__)
 _MIB = 1024 * 1024
@@ -46,6 +53,8 @@ class LoadedSlice:
     cache: CacheStatus
     load_ms: float
     disk_bytes: int
+    # Holds the arrays behind the sessions' shared initializers: must live as long as they do.
+    shared_weights: SharedWeights = field(default_factory=SharedWeights)
 
     @property
     def is_leader(self) -> bool:
@@ -92,32 +101,62 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     group = load_group(settings.repository, settings.servable, version)
     files = verify_rank_files(settings.repository, group, settings.rank)
     disk_bytes = sum(path.stat().st_size for path in files.values())
+    stage = group.stage_of(settings.rank)
+    segments = segment_files(stage, files)
     cache = CompileCache(
         settings.resolved_cache_dir(version),
         settings.rank,
-        SessionConfig(intra_op_threads=settings.threads, inter_op_threads=1),
+        SessionConfig(
+            intra_op_threads=settings.threads, inter_op_threads=1, mode=settings.cache_mode
+        ),
     )
     started = time.perf_counter()
-    runners, status = _open_sessions(cache, files, group.ranks[settings.rank].files)
+    shared = find_shared_weights(segments) if settings.share_weights else SharedWeights()
+    runners, status = _open_sessions(cache, segments, group.ranks[settings.rank].files, shared)
     load_ms = (time.perf_counter() - started) * 1000
     _logger.info(
-        "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s, %.0f ms",
+        "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s (%s), "
+        "%d shared weight(s) of %.1f MB, %.0f ms",
         settings.rank,
         len(runners),
         disk_bytes / _MIB,
         status,
+        settings.cache_mode,
+        len(shared.values),
+        shared.nbytes / _MIB,
         load_ms,
     )
     return LoadedSlice(
         group=group,
         rank=settings.rank,
-        stage=group.stage_of(settings.rank),
+        stage=stage,
         runners=runners,
         checksum=rank_checksum(group.ranks[settings.rank].files),
         cache=status,
         load_ms=load_ms,
         disk_bytes=disk_bytes,
+        shared_weights=shared,
     )
+
+
+def segment_files(stage: StageSpec, files: dict[str, Path]) -> dict[str, Path]:
+    """The segments the stage program runs (name -> path), each checked for external data
+    that would leave the rank folder or was not checksummed (raises UnsafePathError)."""
+    segments: dict[str, Path] = {}
+    for op in stage.program:
+        if not isinstance(op, RunOp) or op.file in segments:
+            continue
+        if op.file not in files:
+            raise RepositoryError(f"stage {stage.index} runs {op.file}, not a file of this rank")
+        path = files[op.file]
+        for data in check_external_data(path):
+            if data not in files:
+                raise UnsafePathError(
+                    f"{path}: external data file {data!r} is not listed (with its sha256) "
+                    f"among the rank's files in group.json"
+                )
+        segments[op.file] = path
+    return segments
 
 
 def _disk_bytes(settings: AgentSettings) -> int:
@@ -131,12 +170,15 @@ def _disk_bytes(settings: AgentSettings) -> int:
 
 
 def _open_sessions(
-    cache: CompileCache, files: dict[str, Path], digests: dict[str, str]
+    cache: CompileCache,
+    segments: dict[str, Path],
+    digests: dict[str, str],
+    shared: SharedWeights,
 ) -> tuple[dict[str, OrtSegment], CacheStatus]:
     runners: dict[str, OrtSegment] = {}
     statuses: list[CacheStatus] = []
-    for name, path in files.items():
-        session, status = cache.open(path, digests[name])
+    for name, path in segments.items():
+        session, status = cache.open(path, digests[name], shared.for_segment(name))
         runners[name] = OrtSegment(session)
         statuses.append(status)
     return runners, _overall(statuses)

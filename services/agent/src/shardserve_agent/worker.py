@@ -74,7 +74,8 @@ class StageWorker:
             self._idle.set()
 
     async def _take_turn(self, work: StageWork) -> None:
-        token = request_id_var.set(work.job)
+        # Log lines carry the ids of the requests this job serves (a batch has several).
+        token = request_id_var.set(",".join(work.requests) or work.job)
         self.inflight = 1
         try:
             result = await self._outcome(work)

@@ -4,6 +4,11 @@
 entries, started in order and torn down in reverse: broker connection -> status
 consumer (mesh view) -> reply consumer (dispatcher). Unit tests pass their own
 dispatcher and mesh view; then no broker is opened at all.
+
+Routes: KServe v2 (``kserve``), its model repository extension (``repository_ext``),
+MindSpore REST (``mindspore_rest``), the status page, ``/api/status``,
+``/api/timeseries`` and ``/metrics`` (``observability``), and ``/openapi.json``
+(``openapi``), which documents all of them.
 """
 
 from __future__ import annotations
@@ -13,13 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from shardserve.broker import Broker
-from shardserve_gateway import kserve, mindspore_rest
+from shardserve_gateway import kserve, mindspore_rest, observability, openapi, repository_ext
 from shardserve_gateway.auth import make_auth_middleware
 from shardserve_gateway.dispatch import AmqpDispatcher, Dispatcher
 from shardserve_gateway.mesh_view import MeshView, consume_status
 from shardserve_gateway.metrics import Metrics
 from shardserve_gateway.middleware import request_context, translate_errors
-from shardserve_gateway.responses import json_response
 from shardserve_gateway.settings import GatewaySettings
 from shardserve_gateway.state import (
     DISPATCHER_KEY,
@@ -27,8 +31,10 @@ from shardserve_gateway.state import (
     MESH_VIEW_KEY,
     METRICS_KEY,
     SETTINGS_KEY,
+    TIMESERIES_KEY,
     Inflight,
 )
+from shardserve_gateway.timeseries import TimeSeries
 
 BROKER_KEY = web.AppKey("broker", Broker)
 CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
@@ -48,18 +54,21 @@ def create_app(
     app[MESH_VIEW_KEY] = mesh_view or MeshView(settings.status_stale_s)
     app[METRICS_KEY] = Metrics()
     app[INFLIGHT_KEY] = Inflight()
+    app[TIMESERIES_KEY] = TimeSeries()
     if dispatcher is None:
         broker = Broker(settings.broker, name=settings.gateway_id)
         amqp = AmqpDispatcher(broker, settings.gateway_id)
+        app[MESH_VIEW_KEY].add_scheduler_listener(amqp.scheduler_seen)
         app[BROKER_KEY] = broker
         app[DISPATCHER_KEY] = amqp
         app.cleanup_ctx.extend([_broker_ctx, _status_consumer_ctx, _reply_consumer_ctx_for(amqp)])
     else:
         app[DISPATCHER_KEY] = dispatcher
     kserve.add_routes(app)
+    repository_ext.add_routes(app)
     mindspore_rest.add_routes(app)
-    app.router.add_get("/api/status", api_status)
-    app.router.add_get("/metrics", metrics)
+    observability.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 
@@ -83,27 +92,3 @@ def _reply_consumer_ctx_for(dispatcher: AmqpDispatcher) -> CleanupCtx:
         await dispatcher.close()
 
     return reply_consumer_ctx
-
-
-async def api_status(request: web.Request) -> web.Response:
-    """The latest MeshStatus as JSON, plus ``fresh`` and ``age_s``."""
-    view = request.app[MESH_VIEW_KEY]
-    status = view.status
-    age = view.age_s()
-    body = status.model_dump(mode="json") if status is not None else {}
-    body["fresh"] = view.fresh()
-    if age is not None:
-        body["age_s"] = round(age, 3)
-    return json_response(body)
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition."""
-    app = request.app
-    dispatcher = app[DISPATCHER_KEY]
-    text = app[METRICS_KEY].render(
-        broker_up=dispatcher.available,
-        status_age_s=app[MESH_VIEW_KEY].age_s(),
-        late_replies=getattr(dispatcher, "late_replies", 0),
-    )
-    return web.Response(text=text, content_type="text/plain", charset="utf-8")

@@ -3,7 +3,9 @@
 Every configured token is compared with ``hmac.compare_digest`` (constant time, and all
 of them, so the time taken does not tell which token nearly matched). With
 ``--open-health`` (the default) the liveness/readiness probes and ``/metrics`` stay open
-so orchestrators and scrapers need no secret.
+so orchestrators and scrapers need no secret; so do the static status page shell (``/``,
+which carries no data: its script sends the token the user gives it as ``/#token=...``)
+and ``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from shardserve_gateway.errors import UnauthorizedError
 
-OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics", "/", "/openapi.json"})
 
 
 def token_matches(candidate: bytes, tokens: Sequence[bytes]) -> bool:

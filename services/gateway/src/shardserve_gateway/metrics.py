@@ -1,5 +1,21 @@
 """Prometheus metrics of the gateway, in a small hand-written text exposition.
 
+``GET /metrics`` is the one scrape point of the whole mesh: the gateway's own metrics
+below, then the mesh's, re-exported from the latest MeshStatus (names listed in
+``mesh_metrics``). Gateway metrics (labels):
+
+  shardserve_gateway_requests_total{servable,method,status}   inference requests by outcome
+  shardserve_gateway_errors_total{servable,method,status}     the ones with status >= 400
+  shardserve_gateway_request_duration_seconds{servable,method} latency histogram
+  shardserve_gateway_inflight_requests                         HTTP requests being handled
+  shardserve_gateway_broker_up                                 1 while the broker is connected
+  shardserve_gateway_late_replies_total                        replies after the deadline
+  shardserve_gateway_failed_early_total                        requests failed at once because
+                                                               their reply could not come
+                                                               (scheduler restart, broker loss)
+  shardserve_gateway_status_age_seconds                        age of the latest mesh status
+  shardserve_gateway_status_fresh                              1 while that status is fresh
+
 Counters and the histogram are keyed by (servable, method): names come from the mesh
 status, never from the URL as typed, so unknown models all count as ``_unknown`` and a
 client cannot blow up the label space.
@@ -10,6 +26,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
+
+from shardserve.protocol import MeshStatus
+from shardserve_gateway.mesh_metrics import render_mesh
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
     0.005,
@@ -46,6 +65,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, int], int] = defaultdict(int)
+        self.errors: dict[tuple[str, str, int], int] = defaultdict(int)
         self.latency: dict[Labels, _Histogram] = defaultdict(_Histogram)
         self.inflight = 0
 
@@ -53,19 +73,27 @@ class Metrics:
         """Count one finished inference request."""
         servable, method = labels
         self.requests[(servable, method, status)] += 1
+        if status >= 400:
+            self.errors[(servable, method, status)] += 1
         self.latency[labels].observe(seconds)
 
-    def render(self, *, broker_up: bool, status_age_s: float | None, late_replies: int) -> str:
-        """The Prometheus text exposition (version 0.0.4)."""
-        lines = [
-            "# HELP shardserve_gateway_requests_total Inference requests by outcome.",
-            "# TYPE shardserve_gateway_requests_total counter",
-        ]
-        for (servable, method, status), n in sorted(self.requests.items()):
-            lines.append(
-                "shardserve_gateway_requests_total"
-                f"{_labels(servable=servable, method=method, status=str(status))} {n}"
-            )
+    def render(
+        self,
+        *,
+        broker_up: bool,
+        status_age_s: float | None,
+        late_replies: int,
+        failed_early: int = 0,
+        status_fresh: bool = False,
+        mesh: MeshStatus | None = None,
+    ) -> str:
+        """The Prometheus text exposition (version 0.0.4): the gateway's, then the mesh's."""
+        lines = _counter(
+            "shardserve_gateway_requests_total", "Inference requests by outcome.", self.requests
+        )
+        lines += _counter(
+            "shardserve_gateway_errors_total", "Inference requests that failed.", self.errors
+        )
         lines += self._render_latency()
         lines += [
             "# HELP shardserve_gateway_inflight_requests HTTP requests being handled now.",
@@ -77,6 +105,13 @@ class Metrics:
             "# HELP shardserve_gateway_late_replies_total Replies that came after the deadline.",
             "# TYPE shardserve_gateway_late_replies_total counter",
             f"shardserve_gateway_late_replies_total {late_replies}",
+            "# HELP shardserve_gateway_failed_early_total Requests failed at once because "
+            "their reply could not come (scheduler restart, broker connection lost).",
+            "# TYPE shardserve_gateway_failed_early_total counter",
+            f"shardserve_gateway_failed_early_total {failed_early}",
+            "# HELP shardserve_gateway_status_fresh Whether the latest mesh status is fresh.",
+            "# TYPE shardserve_gateway_status_fresh gauge",
+            f"shardserve_gateway_status_fresh {int(status_fresh)}",
         ]
         if status_age_s is not None:
             lines += [
@@ -84,6 +119,7 @@ class Metrics:
                 "# TYPE shardserve_gateway_status_age_seconds gauge",
                 f"shardserve_gateway_status_age_seconds {status_age_s:.3f}",
             ]
+        lines += render_mesh(mesh)
         return "\n".join(lines) + "\n"
 
     def _render_latency(self) -> list[str]:
@@ -105,6 +141,13 @@ class Metrics:
             lines.append(f"{name}_sum{base} {hist.total:.6f}")
             lines.append(f"{name}_count{base} {cumulative}")
         return lines
+
+
+def _counter(name: str, help_text: str, counts: dict[tuple[str, str, int], int]) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+    for (servable, method, status), n in sorted(counts.items()):
+        lines.append(f"{name}{_labels(servable=servable, method=method, status=str(status))} {n}")
+    return lines
 
 
 def _labels(**labels: str) -> str:

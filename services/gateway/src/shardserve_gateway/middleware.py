@@ -15,7 +15,7 @@ from shardserve.errors import ErrorCode, InferenceError
 from shardserve.lifecycle import request_id_var
 from shardserve_gateway.errors import HttpError
 from shardserve_gateway.responses import error_response
-from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY
+from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY, TIMESERIES_KEY
 
 _logger = logging.getLogger(__name__)
 
@@ -49,15 +49,25 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             )
         else:
             response = await handler(request)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        _record(request, response.status, time.monotonic() - started)
     finally:
         app[METRICS_KEY].inflight -= 1
         app[INFLIGHT_KEY].leave()
         request_id_var.reset(token)
-    response.headers[REQUEST_ID_HEADER] = request_id
-    labels = request.get(INFER_LABELS_KEY)
-    if labels is not None:
-        app[METRICS_KEY].observe(labels, response.status, time.monotonic() - started)
     return response
+
+
+def _record(request: web.Request, status: int, elapsed_s: float) -> None:
+    """Metrics, time series and a debug access line (with the request id) per inference."""
+    labels = request.get(INFER_LABELS_KEY)
+    if labels is None:
+        return
+    request.app[METRICS_KEY].observe(labels, status, elapsed_s)
+    request.app[TIMESERIES_KEY].observe(elapsed_s, failed=status >= 400)
+    _logger.debug(
+        "%s %s -> %d in %.1f ms", request.method, request.path, status, elapsed_s * 1000.0
+    )
 
 
 @web.middleware

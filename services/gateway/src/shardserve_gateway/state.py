@@ -11,6 +11,7 @@ from shardserve_gateway.dispatch import Dispatcher
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.metrics import UNKNOWN, Labels, Metrics
 from shardserve_gateway.settings import GatewaySettings
+from shardserve_gateway.timeseries import TimeSeries
 
 
 class Inflight:
@@ -45,6 +46,7 @@ MESH_VIEW_KEY = web.AppKey("mesh_view", MeshView)
 DISPATCHER_KEY = web.AppKey("dispatcher", Dispatcher)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 INFLIGHT_KEY = web.AppKey("inflight", Inflight)
+TIMESERIES_KEY = web.AppKey("timeseries", TimeSeries)
 
 # Set by inference handlers once they know what a request targets; read by the metrics
 # middleware when the response is done.

@@ -1,4 +1,4 @@
-"""What the pure core asks the shell to do: publish, reply, cancel, log.
+"""What the pure core asks the shell to do: publish, reply, cancel, run Python, log.
 
 The core never touches the broker; it returns these, in the order they must happen.
 """
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from shardserve import topology
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, InferReply, InferRequest, JobCancel, StageWork
+from shardserve_scheduler.pystages import PythonTask
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,20 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class RunPython:
+    """Run a Python stage task in the worker pool; feed the outcome back to the core."""
+
+    task: PythonTask
+
+
+@dataclass(frozen=True)
 class Log:
     level: int
     message: str
     request_id: str = "-"
 
 
-Action = PublishStageWork | Reply | Cancel | Log
+Action = PublishStageWork | Reply | Cancel | RunPython | Log
 
 
 def error_reply(

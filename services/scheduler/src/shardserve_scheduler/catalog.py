@@ -5,20 +5,22 @@ servable unavailable (its ``problem`` is the "<file>:<line>: <problem>" message)
 touches no other servable. A servable without a config gets one method, ``predict`` = the
 model, with the group's inputs and outputs.
 
-A method maps its own input/output names onto the model's by position, as MindSpore's
-``add_stage(model, x, ...)`` does. Only methods whose one stage is the model are served;
-Python pre/post-processing stages are refused at load time with a reason (see README).
+A method chains stages (see ``methods``): the distributed model and Python functions for
+pre- and post-processing; it maps its own input/output names onto the model's by
+position, as MindSpore's ``add_stage(model, x, ...)`` does.
+
+The repository may change while the scheduler runs (``rescan``): a new version folder is
+loaded (its servable's config is read again for it), a version whose group.json was
+broken is retried, and a version folder that disappeared is reported as removed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.errors import RepositoryError, ServableConfigError
-from shardserve.protocol import TensorMap, TensorSpec
 from shardserve.repository import (
     SERVABLE_CONFIG_FILE,
     GroupConfig,
@@ -31,39 +33,11 @@ from shardserve.servable import (
     load_servable_config,
 )
 
+from shardserve_scheduler.methods import DEFAULT_METHOD, MethodPlan, default_method, plan_method
+
+__all__ = ["Catalog", "MethodPlan", "ServableEntry", "VersionEntry", "default_method"]
+
 _logger = logging.getLogger(__name__)
-
-DEFAULT_METHOD = "predict"
-
-
-@dataclass(frozen=True)
-class MethodPlan:
-    """A servable method that runs the model once: its signature and the name mapping."""
-
-    name: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    # (model input name, method input name), in model order
-    input_map: tuple[tuple[str, str], ...]
-    # (method output name, model output name), in method order
-    output_map: tuple[tuple[str, str], ...]
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(spec.name for spec in self.outputs)
-
-    def model_inputs(self, instance: Mapping[str, object]) -> TensorMap:
-        """The model's input tensors for one (validated) instance of this method."""
-        return {model: instance[method] for model, method in self.input_map}  # type: ignore[misc]
-
-    def method_outputs(self, model_outputs: TensorMap, wanted: tuple[str, ...] | None) -> TensorMap:
-        """Rename model outputs to the method's names, keeping only ``wanted`` if given."""
-        keep = set(wanted) if wanted else None
-        return {
-            method: model_outputs[model]
-            for method, model in self.output_map
-            if keep is None or method in keep
-        }
 
 
 @dataclass(frozen=True)
@@ -87,13 +61,33 @@ class ServableEntry:
         return sorted(set(self.versions) | set(self.broken_versions))
 
 
-@dataclass(frozen=True)
+GroupKey = tuple[str, int]
+
+
+@dataclass
 class Catalog:
     servables: dict[str, ServableEntry]
+    # versions draining before they are dropped (explicit requests for them are refused)
+    unloading: set[GroupKey] = field(default_factory=set)
 
     def groups(self) -> list[GroupConfig]:
         """Every loadable group (servable, version) of the repository."""
         return [v.group for s in self.servables.values() for v in s.versions.values()]
+
+    def entry(self, key: GroupKey) -> VersionEntry | None:
+        servable = self.servables.get(key[0])
+        return servable.versions.get(key[1]) if servable else None
+
+    def drop(self, key: GroupKey) -> None:
+        """Forget a version (unloaded); a servable left with no version disappears."""
+        self.unloading.discard(key)
+        servable = self.servables.get(key[0])
+        if servable is None:
+            return
+        servable.versions.pop(key[1], None)
+        servable.broken_versions.pop(key[1], None)
+        if not servable.versions and not servable.broken_versions:
+            del self.servables[key[0]]
 
 
 def load_catalog(repo: Path) -> Catalog:
@@ -109,7 +103,7 @@ def load_catalog(repo: Path) -> Catalog:
 
 
 def load_servable(repo: Path, name: str, versions: list[int]) -> ServableEntry:
-    definition, problem = _load_definition(repo / name / SERVABLE_CONFIG_FILE)
+    definition, problem = load_definition(repo / name / SERVABLE_CONFIG_FILE)
     if problem:
         _logger.error("servable %s is unavailable: %s", name, problem)
     loaded: dict[int, VersionEntry] = {}
@@ -128,7 +122,7 @@ def load_servable(repo: Path, name: str, versions: list[int]) -> ServableEntry:
     return ServableEntry(name, loaded, broken, problem)
 
 
-def _load_definition(path: Path) -> tuple[ServableDefinition | None, str]:
+def load_definition(path: Path) -> tuple[ServableDefinition | None, str]:
     if not path.is_file():
         return None, ""
     try:
@@ -149,7 +143,7 @@ def build_version(group: GroupConfig, definition: ServableDefinition | None) -> 
     unsupported: dict[str, str] = {}
     for name, method in definition.methods.items():
         try:
-            methods[name] = plan_method(group, method)
+            methods[name] = plan_method(group, method, definition.model)
         except ValueError as exc:
             unsupported[name] = str(exc)
             _logger.error(
@@ -163,16 +157,6 @@ def build_version(group: GroupConfig, definition: ServableDefinition | None) -> 
     return VersionEntry(group, methods, unsupported)
 
 
-def default_method(group: GroupConfig) -> MethodPlan:
-    return MethodPlan(
-        DEFAULT_METHOD,
-        group.inputs,
-        group.outputs,
-        tuple((s.name, s.name) for s in group.inputs),
-        tuple((s.name, s.name) for s in group.outputs),
-    )
-
-
 def _model_mismatch(group: GroupConfig, definition: ServableDefinition) -> str:
     model = definition.model
     assert model is not None  # load_servable_config guarantees it
@@ -183,51 +167,3 @@ def _model_mismatch(group: GroupConfig, definition: ServableDefinition) -> str:
         f"group.json of {group.servable} v{group.version} has rank_size {group.rank_size}, "
         f"stage_size {group.stage_size}"
     )
-
-
-def plan_method(group: GroupConfig, method: MethodDefinition) -> MethodPlan:
-    """Map a model-only method onto the group's signature; ValueError says why it cannot."""
-    for stage in method.stages:
-        if not stage.is_model:
-            raise ValueError(
-                f"stage {stage.index} ({stage.tag}) is a Python stage; Python pre/post-processing "
-                "stages are not supported by this scheduler yet"
-            )
-    if len(method.stages) != 1:
-        raise ValueError(
-            f"the method runs the model {len(method.stages)} times; exactly once is supported"
-        )
-    stage = method.stages[0]
-    if len(stage.inputs) != len(group.inputs):
-        raise ValueError(
-            f"the method passes {len(stage.inputs)} input(s) to the model, group.json declares "
-            f"{len(group.inputs)} ({', '.join(s.name for s in group.inputs)})"
-        )
-    if stage.outputs_count != len(group.outputs):
-        raise ValueError(
-            f"outputs_count is {stage.outputs_count}, group.json declares {len(group.outputs)} "
-            f"output(s) ({', '.join(s.name for s in group.outputs)})"
-        )
-    return _model_only_plan(group, method)
-
-
-def _model_only_plan(group: GroupConfig, method: MethodDefinition) -> MethodPlan:
-    stage = method.stages[0]
-    spec_of_input: dict[str, TensorSpec] = {}
-    input_map: list[tuple[str, str]] = []
-    for model_spec, placeholder in zip(group.inputs, stage.inputs, strict=True):
-        input_map.append((model_spec.name, placeholder.name))
-        spec_of_input[placeholder.name] = model_spec.model_copy(update={"name": placeholder.name})
-    unused = [n for n in method.input_names if n not in spec_of_input]
-    if unused:
-        raise ValueError(f"method input(s) {', '.join(unused)} are not passed to the model")
-    output_map: list[tuple[str, str]] = []
-    outputs: list[TensorSpec] = []
-    for out_name, placeholder in zip(method.output_names, method.outputs, strict=True):
-        if placeholder.stage != stage.index:
-            raise ValueError(f"output {out_name!r} is not an output of the model stage")
-        model_spec = group.outputs[placeholder.index]
-        output_map.append((out_name, model_spec.name))
-        outputs.append(model_spec.model_copy(update={"name": out_name}))
-    inputs = tuple(spec_of_input[n] for n in method.input_names)
-    return MethodPlan(method.name, inputs, tuple(outputs), tuple(input_map), tuple(output_map))

@@ -1,7 +1,9 @@
-"""Requests and jobs as the state machine keeps them, and pure helpers about them.
+"""Requests, instances and jobs as the state machine keeps them, and pure helpers.
 
-A *request* is one InferRequest; a *job* is one model run serving (request, instance)
-members. Today every job has exactly one member.
+A *request* is one InferRequest; each of its *instances* walks the method's steps
+(Python stages, the model). A *job* is one model run serving *members*: (request key,
+instance index, chunk index, step position) — several instances of several requests when
+batched, or a chunk of an instance larger than the maximum batch size.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo, InferRequest, StageResult, TensorMap
+from shardserve.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
 from shardserve.repository import GroupConfig
-from shardserve_scheduler.catalog import MethodPlan
+from shardserve_scheduler.batching import Batcher, Member
+from shardserve_scheduler.methods import Env, MethodPlan
 from shardserve_scheduler.timeline import Timeline
 
 _PASSED_THROUGH_CODES = frozenset(
     {ErrorCode.INTERNAL, ErrorCode.STAGE_FAILED, ErrorCode.DEADLINE, ErrorCode.RANK_MISMATCH}
 )
+
+LaneKey = tuple[str, int]
 
 
 @dataclass(frozen=True)
@@ -34,24 +39,41 @@ class Call:
     def label(self) -> str:
         return f"{self.group.servable} v{self.group.version}"
 
+    @property
+    def lane_key(self) -> LaneKey:
+        return (self.group.servable, self.group.version)
+
+
+@dataclass
+class InstanceState:
+    env: Env
+    step: int = 0  # position in the method's steps
+    chunks: list[TensorMap | None] = field(default_factory=list)
+    outcome: InstanceResult | None = None
+    where: str = "queued"  # for deadline messages
+
 
 @dataclass
 class RequestState:
     key: str
     call: Call
     accepted_at: float
-    results: list[TensorMap | None]
+    instances: list[InstanceState]
     jobs: set[str] = field(default_factory=set)
-    done: bool = False
+
+    @property
+    def open_instances(self) -> int:
+        return sum(1 for i in self.instances if i.outcome is None)
 
 
 @dataclass
 class Job:
-    """One model run. ``members`` are (request key, instance index) pairs it serves."""
+    """One model run; ``ranges`` are the members' rows in a batch (None: one whole member)."""
 
     id: str
     group: GroupConfig
-    members: tuple[tuple[str, int], ...]
+    members: tuple[Member, ...]
+    ranges: tuple[tuple[int, int], ...] | None
     inputs: TensorMap
     deadline: float
     timeline: Timeline
@@ -62,6 +84,10 @@ class Job:
     def servable(self) -> str:
         return self.group.servable
 
+    @property
+    def lane_key(self) -> LaneKey:
+        return (self.group.servable, self.group.version)
+
     def stage_ranks(self) -> tuple[int, ...]:
         return self.group.stages[self.stage].ranks
 
@@ -70,11 +96,26 @@ class Job:
 
 
 @dataclass
-class Lane:
-    """Jobs of one servable: the ones in flight and the FIFO of the ones waiting."""
+class VersionStats:
+    requests_total: int = 0
+    errors_total: int = 0
+    batches_total: int = 0
+    batched_instances_total: int = 0
 
+
+@dataclass
+class Lane:
+    """Jobs of one servable version: in flight, waiting (FIFO), and pieces being batched."""
+
+    group: GroupConfig
+    batcher: Batcher | None = None
+    no_batch: frozenset[str] = frozenset()
     inflight: set[str] = field(default_factory=set)
     queued: deque[Job] = field(default_factory=deque)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queued) + (len(self.batcher) if self.batcher else 0)
 
 
 @dataclass
@@ -87,6 +128,7 @@ class Counters:
     late_results: int = 0
     duplicate_results: int = 0
     stray_results: int = 0
+    late_python_results: int = 0
 
 
 def rank_error(job: Job, rank: int, error: ErrorInfo) -> tuple[ErrorCode, str]:
@@ -107,3 +149,14 @@ def digest_disagreement(job: Job) -> str:
     groups = sorted(by_digest.items(), key=lambda item: item[1][0])
     parts = [f"ranks {ranks} digest {digest[:12]}..." for digest, ranks in groups]
     return f"ranks disagree on stage {job.stage} output: {', '.join(parts)}"
+
+
+def collapsed_error(results: list[InstanceResult]) -> ErrorInfo | None:
+    """The one error of a request whose every instance failed the same way (MindSpore
+    collapses those into a request-level error), else None."""
+    errors = [r.error for r in results]
+    if not errors or any(e is None for e in errors):
+        return None
+    first = errors[0]
+    assert first is not None
+    return first if all(e == first for e in errors) else None

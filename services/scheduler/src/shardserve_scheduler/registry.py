@@ -18,6 +18,8 @@ from shardserve.repository import GroupConfig
 GroupKey = tuple[str, int]
 RankState = Literal["missing", "loading", "ready", "draining", "lost"]
 _LIVE: frozenset[str] = frozenset({"loading", "ready", "draining"})
+# The one refusal that waiting can cure (the holder may time out): it carries retry_after_s.
+_HELD_PREFIX = "rank {rank} of {group} is already served by instance"
 
 
 @dataclass
@@ -164,7 +166,8 @@ class Registry:
             return Verdict(False, self._unknown_group(msg.servable, msg.version))
         refusal = _refusal(group, msg)
         if refusal:
-            return Verdict(False, refusal, self._retry_after(group, msg, now))
+            held = refusal.startswith(_HELD_PREFIX.format(rank=msg.rank, group=group.name))
+            return Verdict(False, refusal, self._retry_after(group, msg, now) if held else 0.0)
         slot = group.slots[msg.rank]
         slot.take(msg, now)
         # Accepted agents declare their work queues only now; the rank serves from its
@@ -269,8 +272,7 @@ def _refusal(group: GroupState, msg: AgentHello) -> str:
             f"{msg.slice_checksum[:12]}..., group.json says {slot.expected_checksum[:12]}..."
         )
     if slot.live and slot.instance != msg.instance:
-        return (
-            f"rank {msg.rank} of {group.name} is already served by instance {slot.instance} "
-            f"(host {slot.host or '?'}, pid {slot.pid})"
+        return _HELD_PREFIX.format(rank=msg.rank, group=group.name) + (
+            f" {slot.instance} (host {slot.host or '?'}, pid {slot.pid})"
         )
     return ""

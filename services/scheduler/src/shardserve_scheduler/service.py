@@ -7,6 +7,18 @@ heartbeat timeouts and deadlines, the *status* loop broadcasts MeshStatus. Consu
 
 SIGTERM: stop consuming requests, let open requests finish (bounded by --drain-seconds),
 reply UNAVAILABLE "scheduler shutting down" to the rest, then tear down in reverse order.
+
+Active and standby: several schedulers may run; one is active. Every scheduler consumes
+the leadership queue (``topology.scheduler_leader_queue``: single-active-consumer,
+prefetch 1); the one that receives the token message holds it unacked and is active: it
+says SchedulerHello (agents re-register with it), consumes the request queue (itself
+single-active-consumer, as a guard), answers agent hellos and broadcasts MeshStatus. A
+standby consumes its own control queue too, so it learns every agent from hellos and
+heartbeats, but stays silent. When the active one dies its connection closes, the broker
+requeues the token to the next consumer, and that scheduler takes over (its requests in
+flight are failed by the gateways, which see a new scheduler id). An active scheduler
+whose broker connection drops steps down at once (the broker requeued its token; its
+open requests fail with a clear error) and is active again only if the token comes back.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -51,6 +64,13 @@ RESULT_PREFETCH = 1024
 SHUTDOWN_MESSAGE = "scheduler shutting down"
 
 
+@dataclass(frozen=True)
+class _CancelConsumer:
+    """Stop consuming requests (queued behind the replies of a step-down)."""
+
+    consumer_tag: str
+
+
 class SchedulerService:
     """One scheduler process: registry + request machine behind a broker connection."""
 
@@ -65,20 +85,24 @@ class SchedulerService:
             wait_agents_seconds=float(settings.wait_agents_seconds),
         )
         self.machine = RequestMachine(
-            result_to=topology.SCHEDULER_RESULT_QUEUE,
+            result_to=topology.scheduler_result_queue(settings.scheduler_id).name,
             id_prefix=uuid.uuid4().hex[:8],
             max_inflight=settings.max_inflight,
         )
         self.broker = Broker(settings.broker, f"scheduler-{settings.scheduler_id}")
         self.refused_requests = 0
         self.dead_lettered_requests = 0
-        self._outbox: asyncio.Queue[Action | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Action | _CancelConsumer | None] = asyncio.Queue()
         self._status_changed = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is open (for the drain)
         self._idle.set()
         self._readiness = self.registry.readiness()
         self._request_consumer = ""
         self._closing = False
+        self.active = False
+        self._token: AbstractIncomingMessage | None = None
+        self._token_arrived = asyncio.Event()
+        self._active_epoch = -1  # broker.reconnects when we became active
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,9 +115,14 @@ class SchedulerService:
                 sender = tasks.create_task(self._send_loop(), name="sender")
                 ticker = tasks.create_task(self._tick_loop(), name="ticker")
                 status = tasks.create_task(self._status_loop(), name="status")
+                leader = tasks.create_task(self._leadership_loop(), name="leadership")
                 await self._start_consuming()
-                _logger.info("scheduler %s ready", self.settings.scheduler_id)
+                _logger.info(
+                    "scheduler %s started; standby until it holds the leadership token",
+                    self.settings.scheduler_id,
+                )
                 await stop.wait()
+                leader.cancel()
                 await self._drain()
                 self._outbox.put_nowait(None)  # the sender finishes what is queued, then ends
                 await sender
@@ -104,28 +133,75 @@ class SchedulerService:
         _logger.info("scheduler stopped")
 
     async def _declare(self) -> None:
-        bindings = topology.scheduler_bindings()
+        me = self.settings.scheduler_id
+        bindings = topology.scheduler_bindings(me)
         await self.broker.declare(topology.dead_letter_queue(), bindings)
         await self.broker.declare(topology.request_queue(), bindings)
-        await self.broker.declare(topology.scheduler_control_queue(), bindings)
-        await self.broker.declare(topology.scheduler_result_queue(), bindings)
+        await self.broker.declare(topology.scheduler_control_queue(me), bindings)
+        await self.broker.declare(topology.scheduler_result_queue(me), bindings)
+        leader = await self.broker.declare(topology.scheduler_leader_queue())
+        result = getattr(leader, "declaration_result", None)
+        if result is None or result.message_count == 0:
+            # No token waiting: the first scheduler ever, or the token is held by the
+            # active one (unacked). An extra token is harmless: only the single active
+            # consumer receives tokens, one at a time; so tokens stay few.
+            token = SchedulerHello(scheduler=me)
+            await self.broker.publish("", topology.SCHEDULER_LEADER_QUEUE, token, confirm=True)
 
     async def _start_consuming(self) -> None:
+        me = self.settings.scheduler_id
         await self.broker.consume(
-            topology.SCHEDULER_RESULT_QUEUE, self._on_result, prefetch=RESULT_PREFETCH
+            topology.scheduler_result_queue(me).name, self._on_result, prefetch=RESULT_PREFETCH
         )
         await self.broker.consume(
-            topology.SCHEDULER_CONTROL_QUEUE, self._on_control, prefetch=CONTROL_PREFETCH
+            topology.scheduler_control_queue(me).name, self._on_control, prefetch=CONTROL_PREFETCH
         )
+        await self.broker.consume_raw(
+            topology.SCHEDULER_LEADER_QUEUE, self._on_leader_token, prefetch=1
+        )
+
+    # ------------------------------------------------------------------ leadership
+
+    async def _on_leader_token(self, incoming: AbstractIncomingMessage) -> None:
+        """Hold the token unacked: the broker gives it to the next scheduler when we die."""
+        self._token = incoming
+        self._token_arrived.set()
+
+    async def _leadership_loop(self) -> None:
+        while True:
+            await self._token_arrived.wait()
+            self._token_arrived.clear()
+            if not self.active and not self._closing:
+                await self._become_active()
+
+    async def _become_active(self) -> None:
+        self.active = True
+        self._active_epoch = self.broker.reconnects
+        _logger.info("scheduler %s is now the active scheduler", self.settings.scheduler_id)
         hello = SchedulerHello(scheduler=self.settings.scheduler_id)
         await self.broker.publish(topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_HELLO, hello)
         self._request_consumer = await self.broker.consume(
             topology.REQUEST_QUEUE, self._on_request, prefetch=REQUEST_PREFETCH
         )
+        self._status_changed.set()
+
+    def _check_leadership(self) -> None:
+        """A reconnect means the broker requeued our token (maybe to a standby): step down."""
+        if not self.active or self.broker.reconnects == self._active_epoch:
+            return
+        self.active = False
+        self._token = None
+        message = "the scheduler lost its broker connection; request outcome unknown, retry"
+        _logger.warning("broker connection was lost: stepping down; failing open requests")
+        self._emit(self.machine.shutdown(message, self.clock()))
+        consumer, self._request_consumer = self._request_consumer, ""
+        if consumer:
+            self._outbox.put_nowait(_CancelConsumer(consumer))
 
     async def _drain(self) -> None:
         """Stop taking requests; give open ones --drain-seconds; refuse the rest."""
-        await self.broker.cancel(self._request_consumer)
+        if self._request_consumer:
+            await self.broker.cancel(self._request_consumer)
         open_now = self.machine.open_requests
         _logger.info(
             "draining: %d request(s) open, waiting up to %g s",
@@ -203,7 +279,9 @@ class SchedulerService:
         if isinstance(message, AgentHello):
             await self._answer_hello(message, now)
         elif isinstance(message, AgentHeartbeat):
-            self.registry.heartbeat(message, now)
+            if not self.registry.heartbeat(message, now) and not self.active:
+                # A standby started after this agent registered: learn it from its beat.
+                self.registry.hello(AgentHello(**message.model_dump(exclude={"kind"})), now)
         elif isinstance(message, AgentBye):
             loss = self.registry.bye(message)
             if loss is not None:
@@ -217,6 +295,8 @@ class SchedulerService:
 
     async def _answer_hello(self, hello: AgentHello, now: float) -> None:
         verdict = self.registry.hello(hello, now)
+        if not self.active:
+            return  # a standby learns the agent; the active scheduler answers it
         if verdict.accepted:
             _logger.info(
                 "accepted %s rank %d of %s v%d (host %s, pid %d)",
@@ -249,6 +329,7 @@ class SchedulerService:
             self._tick(self.clock())
 
     def _tick(self, now: float) -> None:
+        self._check_leadership()
         for loss in self.registry.tick(now):
             _logger.warning("%s", loss.message)
             self._emit(self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now))
@@ -274,7 +355,8 @@ class SchedulerService:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._status_changed.wait(), self.settings.status_interval)
             self._status_changed.clear()
-            await self._publish_status()
+            if self.active:  # a standby stays silent: gateways follow one scheduler
+                await self._publish_status()
 
     async def _publish_status(self) -> None:
         status = mesh_status(
@@ -305,7 +387,13 @@ class SchedulerService:
         while (action := await self._outbox.get()) is not None:
             await self._execute(action)
 
-    async def _execute(self, action: Action) -> None:
+    async def _execute(self, action: Action | _CancelConsumer) -> None:
+        if isinstance(action, _CancelConsumer):
+            try:
+                await self.broker.cancel(action.consumer_tag)
+            except Exception as exc:  # the consumer died with the old connection anyway
+                _logger.debug("could not cancel the request consumer: %s", exc)
+            return
         if isinstance(action, Log):
             token = request_id_var.set(action.request_id)
             _logger.log(action.level, "%s", action.message)

@@ -69,14 +69,14 @@ def gzip_bomb(expanded: int = GZIP_BOMB_BYTES) -> bytes:
 
 
 async def raw_exchange(
-    port: int, head: bytes, body: bytes = b"", *, timeout: float = PROBE_TIMEOUT_S
+    port: int, head: bytes, body: bytes = b"", *, wait_s: float = PROBE_TIMEOUT_S
 ) -> int:
     """Send bytes as they are; the status of the answer (0: closed, -1: no answer in time)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(head + body)
         await writer.drain()
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(wait_s):
             line = await reader.readline()
     except TimeoutError:
         return -1
@@ -129,7 +129,9 @@ def probes(base_url: str, port: int, model: str = "matmul") -> dict[str, tuple[P
         head = request_head(path, len(body), Content_Type="application/json")
         table[name] = (_bound(raw_exchange, port, head, body), "4xx")
     bomb = gzip_bomb()
-    bomb_head = request_head(path, len(bomb), Content_Type="application/json", Content_Encoding="gzip")
+    bomb_head = request_head(
+        path, len(bomb), Content_Type="application/json", Content_Encoding="gzip"
+    )
     table["gzip-bomb"] = (_bound(raw_exchange, port, bomb_head, bomb), "4xx")
     lying = request_head(path, 1 << 40, Content_Type="application/json")
     table["oversized-body"] = (_bound(raw_exchange, port, lying, b"{}"), "4xx")

@@ -88,7 +88,9 @@ class Ledger:
         return sum(1 for o in self.outcomes.values() if o.kind == kind)
 
     def errors_by_kind(self) -> dict[str, int]:
-        counts = Counter(o.detail for o in self.outcomes.values() if o.kind in ("error", "connection"))
+        counts = Counter(
+            o.detail for o in self.outcomes.values() if o.kind in ("error", "connection")
+        )
         return dict(sorted(counts.items()))
 
     def first_failure_after(self, t: float) -> float | None:

@@ -89,7 +89,9 @@ class ChaosMesh:
 
     workdir: Path
     ranks: int = 2
-    base_amqp_url: str = field(default_factory=lambda: os.environ.get(AMQP_URL_ENV, DEFAULT_AMQP_URL))
+    base_amqp_url: str = field(
+        default_factory=lambda: os.environ.get(AMQP_URL_ENV, DEFAULT_AMQP_URL)
+    )
     http_port: int = field(default_factory=free_port)
     vhost: str | None = None
     proc: subprocess.Popen[bytes] | None = None
@@ -136,7 +138,15 @@ class ChaosMesh:
         self._make_vhost()
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [SHARDSERVE, "up", str(repo), "--http-port", str(self.http_port), "--grace-seconds", "15"],
+            [
+                SHARDSERVE,
+                "up",
+                str(repo),
+                "--http-port",
+                str(self.http_port),
+                "--grace-seconds",
+                "15",
+            ],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import configparser
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 from shardserve.compile_cache import CACHE_MODES, CacheMode
 from shardserve.lite.errors import ConfigFileError
@@ -116,4 +115,4 @@ def _mode(parser: configparser.ConfigParser, path: Path) -> CacheMode | None:
             f"config file {path}: [cache] mode must be one of {', '.join(CACHE_MODES)}, "
             f"got {text!r}"
         )
-    return cast(CacheMode, text)
+    return text

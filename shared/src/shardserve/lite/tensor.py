@@ -56,9 +56,7 @@ class Tensor:
     def set_data_from_numpy(self, array: np.ndarray) -> None:
         """Set the data; its dtype and shape must match the declaration."""
         if array.dtype != self.dtype:
-            raise LiteError(
-                f"tensor {self.name} is {self.dtype}, got data of dtype {array.dtype}"
-            )
+            raise LiteError(f"tensor {self.name} is {self.dtype}, got data of dtype {array.dtype}")
         if not _fits(self._declared, tuple(array.shape)):
             raise LiteError(
                 f"tensor {self.name} has shape {list(self._declared)}, got data of shape "

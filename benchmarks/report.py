@@ -1,0 +1,223 @@
+"""Ratios against their targets, the printed table, and the JSON results file.
+
+Every ratio divides two figures measured in the same run, so machine speed cancels out.
+
+Per-hop cost. A mesh request at rank 1 crosses the broker 4 times: gateway -> scheduler
+(InferRequest), scheduler -> agent (StageWork), agent -> scheduler (StageResult),
+scheduler -> gateway (InferReply). The floor does the same HTTP + JSON + compute work with
+no broker, so ``mesh cost per hop = (mesh rank-1 p50 - floor p50) / 4`` at 1 client (JSON
+bodies): it includes each hop's encode/decode, publish, delivery and the services' own
+work around it. The raw broker round trip is 2 hops with the same payloads (48 KiB
+request, 8 KiB reply) and no work, so ``raw one-hop = raw round-trip p50 / 2``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MESH_HOPS_RANK1 = 4
+RAW_ROUND_TRIP_HOPS = 2
+
+
+@dataclass(frozen=True)
+class Ratio:
+    name: str
+    value: float | None
+    target: str  # e.g. ">= 0.8"
+    detail: str
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None or math.isnan(self.value):
+            return None
+        op, bound = self.target.split()
+        return self.value >= float(bound) if op == ">=" else self.value <= float(bound)
+
+
+def _get(results: dict[str, Any], key: str, field: str) -> float | None:
+    entry = results.get(key)
+    if not isinstance(entry, dict) or entry.get("requests", 1) == 0:
+        return None
+    value = entry.get(field)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def per_hop_ms(results: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(mesh cost per hop, raw one-hop) in ms, as defined in the module docstring."""
+    extra = _sub(_get(results, "mesh1.json.c1", "p50_ms"), _get(results, "floor.json.c1", "p50_ms"))
+    mesh = None if extra is None else extra / MESH_HOPS_RANK1
+    raw_rt = _get(results, "broker.c1", "p50_ms")
+    raw = None if raw_rt is None else raw_rt / RAW_ROUND_TRIP_HOPS
+    return mesh, raw
+
+
+def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
+    r = results
+    mesh_hop, raw_hop = per_hop_ms(r)
+    return [
+        Ratio(
+            "mesh rank1 JSON c32 / floor JSON c32 (req/s)",
+            _div(_get(r, "mesh1.json.c32", "rps"), _get(r, "floor.json.c32", "rps")),
+            ">= 0.8",
+            "throughput the mesh keeps of a single-process server",
+        ),
+        Ratio(
+            "mesh rank1 c1 p50 - floor c1 p50 (ms, JSON)",
+            _sub(_get(r, "mesh1.json.c1", "p50_ms"), _get(r, "floor.json.c1", "p50_ms")),
+            "<= 1.5",
+            "latency the broker path adds to one request",
+        ),
+        Ratio(
+            "mesh rank1 binary c32 / floor JSON c32 (req/s)",
+            _div(_get(r, "mesh1.binary.c32", "rps"), _get(r, "floor.json.c32", "rps")),
+            ">= 3",
+            "binary tensors vs the JSON floor",
+        ),
+        Ratio(
+            "mesh cost per broker hop / raw one-hop",
+            _div(mesh_hop, raw_hop),
+            "<= 1.3",
+            f"per hop: mesh {_fmt(mesh_hop)} ms, raw {_fmt(raw_hop)} ms (4 hops at rank 1)",
+        ),
+        Ratio(
+            "TP8 JSON c32 / mesh rank1 JSON c32 (req/s)",
+            _div(_get(r, "tp8.json.c32", "rps"), _get(r, "mesh1.json.c32", "rps")),
+            ">= 0.5",
+            "cost of 8-way tensor parallelism (allgather over the broker)",
+        ),
+        Ratio(
+            "MLP batched / unbatched c32 (req/s)",
+            _div(_get(r, "mlp.batched.c32", "rps"), _get(r, "mlp.unbatched.c32", "rps")),
+            ">= 6",
+            "dynamic batching, one row per request",
+        ),
+        Ratio(
+            "MLP 2-stage pipelined / max-inflight 1 c8 (req/s)",
+            _div(_get(r, "pipeline.pipelined.c8", "rps"), _get(r, "pipeline.serial.c8", "rps")),
+            ">= 1.7",
+            "pipeline parallelism across stages",
+        ),
+        memory_ratio(r),
+    ]
+
+
+def memory_ratio(results: dict[str, Any]) -> Ratio:
+    """(RSS - fixed overhead) / slice bytes of the whole-MLP agent; overhead = tiny agent RSS."""
+    facts = results.get("memory") or {}
+    tiny, big = facts.get("matmul.r0"), facts.get("mlp.r0")
+    if not tiny or not big or not big.get("slice_mb"):
+        return Ratio("agent (RSS - overhead) / slice weights", None, "<= 1.2", "not measured")
+    overhead = tiny["rss_mb"]
+    value = (big["rss_mb"] - overhead) / big["slice_mb"]
+    return Ratio(
+        "agent (RSS - overhead) / slice weights",
+        value,
+        "<= 1.2",
+        f"MLP agent RSS {big['rss_mb']} MB, slice {big['slice_mb']} MB, "
+        f"fixed overhead {overhead} MB (RSS of the matmul agent)",
+    )
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}g}"
+
+
+def load_table(results: dict[str, Any]) -> list[str]:
+    lines = [f"{'measurement':<30} {'req/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}"]
+    for key, entry in results.items():
+        if isinstance(entry, dict) and "rps" in entry:
+            lines.append(
+                f"{key:<30} {entry['rps']:>10.1f} {entry['p50_ms']:>9.2f} "
+                f"{entry['p99_ms']:>9.2f} {entry['errors']:>7}"
+            )
+    return lines
+
+
+def ratio_table(ratios: list[Ratio]) -> list[str]:
+    lines = [f"{'ratio':<52} {'value':>8} {'target':>8}  {'':<4}"]
+    for ratio in ratios:
+        verdict = {True: "ok", False: "MISS", None: "n/a"}[ratio.passed]
+        lines.append(f"{ratio.name:<52} {_fmt(ratio.value):>8} {ratio.target:>8}  {verdict:<4}")
+        lines.append(f"    {ratio.detail}")
+    return lines
+
+
+def facts_table(results: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for key in ("cache.cold", "cache.warm"):
+        if key in results:
+            lines.append(f"{key}: {results[key]}")
+    cold, warm = results.get("cache.cold"), results.get("cache.warm")
+    if cold and warm and warm.get("load_ms_max"):
+        lines.append(
+            f"compile cache: cold/warm load = {cold['load_ms_max'] / warm['load_ms_max']:.2f}x"
+        )
+    for size in (1, 16, 64):
+        mesh = results.get(f"large.mesh.{size}MB")
+        raw = results.get(f"large.broker.{size}MB")
+        if mesh:
+            ok = "ok" if mesh["errors"] == 0 else f"FAILED: {mesh['first_error'][:160]}"
+            vs = _div(
+                _get(results, f"large.mesh.{size}MB", "p50_ms"),
+                _get(results, f"large.broker.{size}MB", "p50_ms"),
+            )
+            raw_ms = _fmt(raw["p50_ms"] if raw else None)
+            lines.append(
+                f"large {size} MB: mesh p50 {_fmt(mesh['p50_ms'])} ms, raw broker round "
+                f"trip {raw_ms} ms, mesh/raw {_fmt(vs)} ({ok})"
+            )
+    for name, entry in (results.get("memory") or {}).items():
+        lines.append(f"memory {name}: RSS {entry['rss_mb']} MB, slice {entry['slice_mb']} MB")
+    return lines
+
+
+def render(results: dict[str, Any], ratios: list[Ratio], notes: list[str]) -> str:
+    parts = ["", *load_table(results), "", *ratio_table(ratios), "", *facts_table(results)]
+    parts += [f"note: {n}" for n in notes]
+    return "\n".join(parts)
+
+
+def git_commit(root: Path) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_json(
+    path: Path, results: dict[str, Any], ratios: list[Ratio], meta: dict[str, Any]
+) -> None:
+    doc = {
+        "meta": {**meta, "python": platform.python_version(), "machine": platform.machine()},
+        "results": results,
+        "ratios": [{**asdict(r), "passed": r.passed} for r in ratios],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")

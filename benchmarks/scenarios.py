@@ -1,0 +1,364 @@
+"""The measured scenarios, one function each, registered by name in ``SCENARIOS``.
+
+Each scenario records ``LoadResult``s (or plain facts) into ``Run.results`` under stable
+keys (``floor.json.c32``, ``mesh1.binary.c1``...); ``report`` turns them into ratios.
+Meshes run the demo matmul model (x FP32 [128, 96], 48 KiB in, 8 KiB out) unless the
+scenario is about something else (the MLP for batching/pipelining/memory, a wide MLP for
+large tensors, the transformer for the compile cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
+from benchmarks.broker_hop import Requester
+from benchmarks.loadgen import LoadResult, LoadSpec, load_http, run_load, summarize
+from benchmarks.meshes import Mesh, free_port, rss_bytes, running_mesh, running_module
+
+MATMUL_IN_BYTES = 128 * 96 * 4
+MATMUL_OUT_BYTES = 128 * 16 * 4
+MLP_HIDDEN, MLP_FFN, MLP_LAYERS = 1024, 4096, 2
+BATCH_CLIENTS = 32
+PIPELINE_CLIENTS = 8  # max-inflight 1 queues 10 jobs at most: more clients would be refused
+LARGE_SIZES_MB = (1, 16, 64)
+WIDE_HIDDEN = 4096  # the large-tensor model: rows of 16 KiB, almost no compute
+NO_BATCHING = {"SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE": "1"}
+
+
+@dataclass
+class Run:
+    """One benchmark run: settings, scratch space, and everything measured so far."""
+
+    quick: bool
+    amqp_url: str
+    work: Path
+    results: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    _repos: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def logs(self) -> Path:
+        path = self.work / "logs"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def spec(self, concurrency: int, scale: float = 1.0) -> LoadSpec:
+        warmup, duration = (1.0, 3.0) if self.quick else (2.0, 10.0)
+        return LoadSpec(concurrency, duration * scale, warmup)
+
+    def record(self, key: str, result: LoadResult, **meta: Any) -> None:
+        self.results[key] = {**result.to_json(), **meta}
+        rps = f"{result.rps:9.1f} req/s"
+        lat = f"p50 {result.p50_ms:8.2f} ms  p99 {result.p99_ms:8.2f} ms"
+        err = f"  errors {result.errors} ({result.first_error[:120]})" if result.errors else ""
+        print(f"  {key:<28} {rps}  {lat}{err}", flush=True)
+
+    def repo(self, key: str, build: Callable[[Path], object]) -> Path:
+        """An exported repository, built once per run."""
+        if key not in self._repos:
+            path = self.work / "repos" / key
+            build(path)
+            self._repos[key] = path
+        return self._repos[key]
+
+
+# ---------------------------------------------------------------- models and repos
+
+
+def matmul_repo(run: Run, rank_size: int, stage_size: int = 1) -> Path:
+    from shardserve.export.matmul import export_matmul
+
+    return run.repo(
+        f"matmul-r{rank_size}-s{stage_size}",
+        lambda out: export_matmul(out, rank_size=rank_size, stage_size=stage_size),
+    )
+
+
+def mlp_repo(run: Run, rank_size: int = 1, stage_size: int = 1, **shape: int) -> Path:
+    from shardserve.export.mlp import export_mlp
+
+    dims = {"hidden": MLP_HIDDEN, "ffn": MLP_FFN, "layers": MLP_LAYERS, **shape}
+    key = f"mlp-r{rank_size}-s{stage_size}-" + "-".join(f"{v}" for v in dims.values())
+    return run.repo(
+        key, lambda out: export_mlp(out, rank_size=rank_size, stage_size=stage_size, **dims)
+    )
+
+
+def reference_onnx(run: Run, name: str, model: onnx.ModelProto) -> Path:
+    path = run.work / "models" / f"{name}.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(model, str(path))
+    return path
+
+
+def matmul_reference(run: Run) -> Path:
+    from shardserve.export.matmul import reference_model
+
+    return reference_onnx(run, "matmul", reference_model())
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def http_load(run: Run, key: str, url: str, body: Body, concurrency: int) -> LoadResult:
+    result = asyncio.run(load_http(url, body.data, body.headers, run.spec(concurrency)))
+    run.record(key, result, body_bytes=len(body.data), body=body.kind)
+    return result
+
+
+def load_matrix(
+    run: Run, prefix: str, url: str, points: list[tuple[str, int]], inputs: dict[str, np.ndarray]
+) -> None:
+    """Measure every (body kind, concurrency) point against one URL."""
+    for kind, concurrency in points:
+        http_load(run, f"{prefix}.{kind}.c{concurrency}", url, make_body(kind, inputs), concurrency)
+
+
+def full_points(run: Run) -> list[tuple[str, int]]:
+    return [("json", 1), ("json", 32), ("binary", 1), ("binary", 32)]
+
+
+def agent_pids(mesh: Mesh, servable: str) -> dict[int, int]:
+    return {int(r["rank"]): int(r["pid"]) for r in mesh.ranks(servable) if r.get("pid")}
+
+
+# ---------------------------------------------------------------- scenarios
+
+
+def direct(run: Run) -> None:
+    """onnxruntime in-process on the unsliced matmul: compute only, one caller."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(matmul_reference(run)), opts)
+    feed = matmul_input()
+    spec = run.spec(1)
+    for _ in range(200):
+        session.run(None, feed)
+    latencies: list[float] = []
+    stop = time.perf_counter() + spec.duration_s
+    while (began := time.perf_counter()) < stop:
+        session.run(None, feed)
+        latencies.append((time.perf_counter() - began) * 1000)
+    elapsed = sum(latencies) / 1000
+    run.record("direct.c1", summarize(1, latencies, 0, elapsed, ""))
+
+
+def floor(run: Run) -> None:
+    """The floor server (aiohttp + onnxruntime, one process) on the unsliced matmul."""
+    port = free_port()
+    args = ["--model", str(matmul_reference(run)), "--port", str(port)]
+    ready = f"http://127.0.0.1:{port}/v2/health/ready"
+    with running_module("benchmarks.floor_server", args, run.logs, ready, {}):
+        url = f"http://127.0.0.1:{port}/v2/models/matmul/infer"
+        load_matrix(run, "floor", url, full_points(run), matmul_input())
+
+
+def broker(run: Run) -> None:
+    """Raw request/reply over RabbitMQ (aio-pika) with the mesh's payload sizes."""
+    queue = f"bench.hop.{free_port()}"
+    args = ["--url", run.amqp_url, "--queue", queue, "--reply-bytes", str(MATMUL_OUT_BYTES)]
+    with running_module("benchmarks.broker_hop", args, run.logs, None, {}):
+        for concurrency in (1, 32):
+            result = asyncio.run(_raw_round_trips(run, queue, MATMUL_IN_BYTES, concurrency))
+            run.record(f"broker.c{concurrency}", result, request_bytes=MATMUL_IN_BYTES)
+
+
+async def _raw_round_trips(run: Run, queue: str, size: int, concurrency: int) -> LoadResult:
+    payload = b"q" * size
+    async with Requester(run.amqp_url, queue) as requester:
+
+        async def call() -> bool:
+            await requester.call(payload)
+            return True
+
+        return await run_load(call, run.spec(concurrency))
+
+
+def mesh1(run: Run) -> None:
+    """The mesh at rank_size 1 (matmul), JSON and binary, 1 and 32 clients."""
+    with running_mesh(matmul_repo(run, 1), run.amqp_url, run.logs) as mesh:
+        run.results["mesh1.ready_s"] = round(mesh.ready_s, 2)
+        load_matrix(run, "mesh1", mesh.infer_url("matmul"), full_points(run), matmul_input())
+
+
+def tp8(run: Run) -> None:
+    """Tensor parallel: matmul over 8 ranks in one stage (allgather over the broker)."""
+    points = [("json", 32), ("binary", 32)] + ([] if run.quick else [("json", 1)])
+    with running_mesh(matmul_repo(run, 8), run.amqp_url, run.logs) as mesh:
+        run.results["tp8.ready_s"] = round(mesh.ready_s, 2)
+        load_matrix(run, "tp8", mesh.infer_url("matmul"), points, matmul_input())
+
+
+def pp16(run: Run) -> None:
+    """16 ranks in 2 stages of 8 (MatMul stage, then Neg stage, allgather in each)."""
+    points = [("json", 32), ("binary", 32)] + ([] if run.quick else [("json", 1)])
+    with running_mesh(matmul_repo(run, 16, 2), run.amqp_url, run.logs) as mesh:
+        run.results["pp16.ready_s"] = round(mesh.ready_s, 2)
+        load_matrix(run, "pp16", mesh.infer_url("matmul"), points, matmul_input())
+
+
+def batching(run: Run) -> None:
+    """The MLP (1024->4096->1024, 2 blocks), one row per request, 32 clients: dynamic
+    batching on (up to 32 rows per job) vs off (max batch size 1)."""
+    repo = mlp_repo(run, 1)
+    body = make_body("binary", mlp_input(1, MLP_HIDDEN))
+    variants = {
+        "batched": {
+            "SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE": str(BATCH_CLIENTS),
+            "SHARDSERVE_SCHEDULER_MAX_BATCH_DELAY_MS": "2",
+        },
+        "unbatched": NO_BATCHING,
+    }
+    for name, env in variants.items():
+        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+            http_load(run, f"mlp.{name}.c{BATCH_CLIENTS}", mesh.infer_url("mlp"), body, 32)
+            run.results[f"mlp.{name}.batches"] = _batch_counters(mesh, "mlp")
+
+
+def _batch_counters(mesh: Mesh, servable: str) -> dict[str, Any]:
+    for entry in mesh.status().get("servables", ()):
+        if entry.get("name") == servable:
+            keys = ("requests_total", "batches_total", "batched_instances_total")
+            return {k: entry.get(k) for k in keys}
+    return {}
+
+
+def pipeline(run: Run) -> None:
+    """The MLP cut in 2 stages (1 rank each), batching off, 8 clients: jobs in flight
+    unbounded (stage 0 works on job n+1 while stage 1 works on job n) vs max-inflight 1."""
+    repo = mlp_repo(run, 2, 2)
+    body = make_body("binary", mlp_input(1, MLP_HIDDEN))
+    variants = {
+        "pipelined": dict(NO_BATCHING),
+        "serial": {**NO_BATCHING, "SHARDSERVE_SCHEDULER_MAX_INFLIGHT": "1"},
+    }
+    for name, env in variants.items():
+        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+            key = f"pipeline.{name}.c{PIPELINE_CLIENTS}"
+            http_load(run, key, mesh.infer_url("mlp"), body, PIPELINE_CLIENTS)
+
+
+def memory(run: Run) -> None:
+    """Agent RSS vs the bytes of its slice's weights: the MLP whole (rank 1) and split over
+    2 ranks, against the fixed overhead of an agent with a tiny slice (matmul, 24 KiB)."""
+    repo = run.work / "repos" / "memory"
+    if not repo.exists():
+        from shardserve.export.matmul import export_matmul
+        from shardserve.export.mlp import export_mlp
+
+        export_matmul(repo, rank_size=1)
+        export_mlp(repo, name="mlp", hidden=MLP_HIDDEN, ffn=MLP_FFN, layers=MLP_LAYERS)
+        export_mlp(repo, name="mlp_tp2", rank_size=2, hidden=MLP_HIDDEN, ffn=MLP_FFN)
+    with running_mesh(repo, run.amqp_url, run.logs) as mesh:
+        warm = {"matmul": matmul_input(), "mlp": mlp_input(8, MLP_HIDDEN)}
+        warm["mlp_tp2"] = warm["mlp"]
+        for servable, inputs in warm.items():
+            body = make_body("binary", inputs)
+            asyncio.run(load_http(mesh.infer_url(servable), body.data, body.headers, _few(20)))
+        time.sleep(1.5)  # let a heartbeat carry the post-warm-up RSS too
+        run.results["memory"] = _memory_facts(repo, mesh)
+    facts = run.results["memory"]
+    for name, entry in facts.items():
+        print(f"  memory {name:<14} {entry}", flush=True)
+
+
+def _few(count: int) -> LoadSpec:
+    return LoadSpec(concurrency=1, duration_s=60.0, warmup_s=0.0, max_requests=count)
+
+
+def _memory_facts(repo: Path, mesh: Mesh) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    for servable in ("matmul", "mlp", "mlp_tp2"):
+        for rank, pid in sorted(agent_pids(mesh, servable).items()):
+            weights = sum(
+                p.stat().st_size for p in (repo / servable / "1" / f"rank_{rank}").glob("*")
+            )
+            facts[f"{servable}.r{rank}"] = {
+                "rss_mb": round(rss_bytes(pid) / 2**20, 1),
+                "slice_mb": round(weights / 2**20, 2),
+            }
+    return facts
+
+
+def large(run: Run) -> None:
+    """1, 16 and 64 MB tensors through the mesh (binary body, binary output) on a wide
+    one-block MLP (hidden 4096, ffn 8: the bytes dominate, not the compute), against a
+    raw broker round trip of the same size."""
+    repo = mlp_repo(run, 1, 1, hidden=WIDE_HIDDEN, ffn=8, layers=1)
+    env = {**NO_BATCHING, "SHARDSERVE_GATEWAY_MAX_BODY_MB": "200"}
+    count = 3 if run.quick else 6
+    with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+        for size in LARGE_SIZES_MB:
+            rows = size * 2**20 // (WIDE_HIDDEN * 4)
+            body = make_body("binary", mlp_input(rows, WIDE_HIDDEN))
+            result = asyncio.run(
+                load_http(mesh.infer_url("mlp"), body.data, body.headers, _few(count))
+            )
+            run.record(f"large.mesh.{size}MB", result, tensor_mb=size)
+    queue = f"bench.large.{free_port()}"
+    for size in LARGE_SIZES_MB:
+        nbytes = size * 2**20
+        args = ["--url", run.amqp_url, "--queue", queue, "--reply-bytes", str(nbytes)]
+        with running_module("benchmarks.broker_hop", args, run.logs, None, {}):
+            result = asyncio.run(_raw_few(run, queue, nbytes, count))
+            run.record(f"large.broker.{size}MB", result, tensor_mb=size)
+
+
+async def _raw_few(run: Run, queue: str, size: int, count: int) -> LoadResult:
+    payload = b"q" * size
+    async with Requester(run.amqp_url, queue) as requester:
+
+        async def call() -> bool:
+            await requester.call(payload)
+            return True
+
+        return await run_load(call, _few(count))
+
+
+def cache(run: Run) -> None:
+    """Compile cache: agent load time of the transformer with an empty cache folder (cold:
+    optimize + save) and again with the folder it filled (warm: load the saved graph)."""
+    from shardserve.export.transformer import export_transformer
+
+    shape = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 2048, "max_seq": 64}
+    repo = run.repo("transformer", lambda out: export_transformer(out, rank_size=2, **shape))
+    cache_dir = run.work / "compile-cache"
+    env = {"SHARDSERVE_AGENT_CACHE_DIR": str(cache_dir)}
+    for phase in ("cold", "warm"):
+        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+            ranks = mesh.ranks("transformer")
+            loads = [float(r.get("load_ms") or 0.0) for r in ranks]
+            run.results[f"cache.{phase}"] = {
+                "load_ms_per_rank": [round(v, 1) for v in loads],
+                "load_ms_max": round(max(loads, default=0.0), 1),
+                "cache": sorted({str(r.get("cache", "?")) for r in ranks}),
+                "mesh_ready_s": round(mesh.ready_s, 2),
+            }
+        print(f"  cache.{phase:<22} {run.results[f'cache.{phase}']}", flush=True)
+
+
+SCENARIOS: dict[str, Callable[[Run], None]] = {
+    "direct": direct,
+    "floor": floor,
+    "broker": broker,
+    "mesh1": mesh1,
+    "tp8": tp8,
+    "pp16": pp16,
+    "batching": batching,
+    "pipeline": pipeline,
+    "memory": memory,
+    "large": large,
+    "cache": cache,
+}

@@ -1,0 +1,170 @@
+"""Dynamic batching for ``with_batch_dim`` servables; pure, with the caller's clock.
+
+A *piece* is one instance's model inputs (or a chunk of its rows, when the instance is
+larger than the maximum batch size). Pieces of different requests are concatenated along
+dim 0 up to ``limit`` rows; a batch is flushed when it is full or when its oldest piece
+has waited ``delay`` seconds (checked by ``due`` at every event and tick). Inputs declared
+without a batch dim are passed through unchanged, so only pieces whose no-batch inputs
+are byte-identical share a batch (they are keyed by the digest of those inputs).
+
+A model with a fixed batch dim (``max_batch_size`` > 0 in group.json) gets exactly that
+many rows: MindSpore pads with copies of instance 0; we pad with zeros, and the padded
+rows are dropped from the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shardserve.protocol import TensorMap
+from shardserve.tensors import Tensor, digest_tensors
+
+Member = tuple[str, int, int, int]  # (request key, instance index, chunk index, step position)
+
+
+@dataclass(frozen=True)
+class Piece:
+    member: Member
+    inputs: TensorMap
+    rows: int
+    arrived: float
+    key: str  # digest of the no-batch inputs: pieces with different keys never mix
+
+
+@dataclass
+class _Open:
+    pieces: list[Piece] = field(default_factory=list)
+    rows: int = 0
+
+
+def rows_of(inputs: TensorMap, no_batch: Collection[str]) -> int:
+    """The instance's row count: dim 0 of its batch inputs, which must agree (ValueError)."""
+    sizes = {
+        name: t.shape[0] if t.shape else -1 for name, t in inputs.items() if name not in no_batch
+    }
+    distinct = set(sizes.values())
+    if -1 in distinct:
+        scalar = next(n for n, s in sizes.items() if s == -1)
+        raise ValueError(f"input {scalar!r} has no batch dimension (it is a scalar)")
+    if len(distinct) > 1:
+        listed = ", ".join(f"{n} has {s}" for n, s in sorted(sizes.items()))
+        raise ValueError(f"the inputs disagree on the batch size (dim 0): {listed}")
+    rows = distinct.pop() if distinct else 1
+    if rows < 1:
+        raise ValueError("an instance needs at least one row (dim 0 is 0)")
+    return rows
+
+
+def chunk(inputs: TensorMap, no_batch: Collection[str], rows: int, limit: int) -> list[TensorMap]:
+    """Split an instance into pieces of at most ``limit`` rows, in order."""
+    if rows <= limit:
+        return [inputs]
+    pieces: list[TensorMap] = []
+    for start in range(0, rows, limit):
+        stop = min(rows, start + limit)
+        pieces.append(
+            {
+                name: t if name in no_batch else Tensor.from_numpy(t.to_numpy()[start:stop])
+                for name, t in inputs.items()
+            }
+        )
+    return pieces
+
+
+def batch_key(inputs: TensorMap, no_batch: Collection[str]) -> str:
+    return digest_tensors({n: t for n, t in inputs.items() if n in no_batch})
+
+
+class Batcher:
+    """Open batches of one servable version, keyed by their no-batch inputs."""
+
+    def __init__(self, limit: int, delay: float) -> None:
+        self.limit = max(1, limit)
+        self.delay = max(0.0, delay)
+        self._open: dict[str, _Open] = {}
+
+    def __len__(self) -> int:
+        return sum(len(o.pieces) for o in self._open.values())
+
+    def add(self, piece: Piece) -> list[list[Piece]]:
+        """Queue a piece; return the batches that became full."""
+        full: list[list[Piece]] = []
+        batch = self._open.setdefault(piece.key, _Open())
+        if batch.rows + piece.rows > self.limit and batch.pieces:
+            full.append(batch.pieces)
+            batch = self._open[piece.key] = _Open()
+        batch.pieces.append(piece)
+        batch.rows += piece.rows
+        if batch.rows >= self.limit:
+            full.append(batch.pieces)
+            del self._open[piece.key]
+        return full
+
+    def due(self, now: float) -> list[list[Piece]]:
+        """Batches whose oldest piece has waited ``delay`` (all of them when delay is 0)."""
+        keys = [k for k, b in self._open.items() if b.pieces[0].arrived + self.delay <= now]
+        return [self._open.pop(k).pieces for k in keys]
+
+    def next_due(self) -> float | None:
+        starts = [b.pieces[0].arrived for b in self._open.values()]
+        return min(starts) + self.delay if starts else None
+
+    def clear(self) -> list[Piece]:
+        pieces = [p for b in self._open.values() for p in b.pieces]
+        self._open.clear()
+        return pieces
+
+
+def combine(
+    pieces: list[Piece], no_batch: Collection[str], pad_to: int
+) -> tuple[TensorMap, tuple[tuple[int, int], ...]]:
+    """One model input from several pieces, and each piece's row range in it."""
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for piece in pieces:
+        ranges.append((start, start + piece.rows))
+        start += piece.rows
+    first = pieces[0].inputs
+    inputs: TensorMap = {}
+    for name, tensor in first.items():
+        if name in no_batch:
+            inputs[name] = tensor
+            continue
+        arrays = [p.inputs[name].to_numpy() for p in pieces]
+        if pad_to > start:
+            arrays.append(np.zeros((pad_to - start, *arrays[0].shape[1:]), arrays[0].dtype))
+        joined = arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0)
+        inputs[name] = Tensor.from_numpy(joined)
+    return inputs, tuple(ranges)
+
+
+def split(outputs: TensorMap, ranges: tuple[tuple[int, int], ...]) -> list[TensorMap]:
+    """Each piece's rows of the batch outputs (padded rows dropped); ValueError if an
+    output has fewer rows than the batch."""
+    need = ranges[-1][1]
+    for name, tensor in outputs.items():
+        if not tensor.shape or tensor.shape[0] < need:
+            raise ValueError(
+                f"model output {name!r} has shape {list(tensor.shape)}; it cannot be split "
+                f"into the {need} rows of the batch"
+            )
+    if len(ranges) == 1 and all(t.shape[0] == need for t in outputs.values()):
+        return [outputs]
+    arrays = {name: t.to_numpy() for name, t in outputs.items()}
+    return [
+        {name: Tensor.from_numpy(a[start:stop]) for name, a in arrays.items()}
+        for start, stop in ranges
+    ]
+
+
+def join_chunks(chunks: list[TensorMap]) -> TensorMap:
+    """An instance's outputs from its chunks' outputs, in order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return {
+        name: Tensor.from_numpy(np.concatenate([c[name].to_numpy() for c in chunks], axis=0))
+        for name in chunks[0]
+    }

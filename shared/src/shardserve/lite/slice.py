@@ -1,0 +1,89 @@
+"""Find a rank's slice from a path and open it through the compile cache.
+
+The model path is either a version folder of a model repository
+(``models/matmul/1``, then the rank comes from the context) or one rank's folder
+(``models/matmul/1/rank_3``, which names the rank itself). Only that rank's files (and
+the version's group.json) are read; every file is checked against its sha256 first.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardserve.compile_cache import CacheStatus, CompileCache
+from shardserve.lite.errors import ModelPathError
+from shardserve.program import OrtSegment
+from shardserve.repository import GROUP_FILE, GroupConfig, RunOp, load_group, verify_rank_files
+
+_RANK_FOLDER = re.compile(r"rank_(\d+)")
+
+
+@dataclass(frozen=True)
+class SliceLocation:
+    """Where a version lives in its repository, and the rank the path named (if any)."""
+
+    repo: Path
+    servable: str
+    version: int
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class OpenedSlice:
+    runners: dict[str, OrtSegment]
+    cache: CacheStatus
+    load_ms: float
+
+
+def locate(path: Path) -> SliceLocation:
+    """Read a version folder or rank folder path (see the module doc)."""
+    folder = path.expanduser().resolve()
+    rank: int | None = None
+    match = _RANK_FOLDER.fullmatch(folder.name)
+    if match and (folder.parent / GROUP_FILE).is_file():
+        rank, folder = int(match.group(1)), folder.parent
+    if not (folder / GROUP_FILE).is_file():
+        raise ModelPathError(
+            f"{path} is not a model version folder (no {GROUP_FILE}) nor a rank_<r> folder "
+            f"inside one; pass e.g. models/matmul/1 or models/matmul/1/rank_0"
+        )
+    if not folder.name.isdigit():
+        raise ModelPathError(f"{folder} holds {GROUP_FILE} but its name is not a version number")
+    return SliceLocation(folder.parent.parent, folder.parent.name, int(folder.name), rank)
+
+
+def load_version(location: SliceLocation) -> GroupConfig:
+    return load_group(location.repo, location.servable, location.version)
+
+
+def program_files(group: GroupConfig, rank: int) -> tuple[str, ...]:
+    """The segment files the rank's stage program runs (a rank may hold other files)."""
+    return tuple(op.file for op in group.stage_of(rank).program if isinstance(op, RunOp))
+
+
+def open_slice(
+    location: SliceLocation, group: GroupConfig, rank: int, cache: CompileCache
+) -> OpenedSlice:
+    """Verify the rank's files, then open one session per segment through the cache."""
+    files = verify_rank_files(location.repo, group, rank)
+    digests = group.ranks[rank].files
+    started = time.perf_counter()
+    runners: dict[str, OrtSegment] = {}
+    statuses: list[CacheStatus] = []
+    for name in program_files(group, rank):
+        session, status = cache.open(files[name], digests[name])
+        runners[name] = OrtSegment(session)
+        statuses.append(status)
+    return OpenedSlice(runners, overall_status(statuses), (time.perf_counter() - started) * 1000)
+
+
+def overall_status(statuses: list[CacheStatus]) -> CacheStatus:
+    """'hit' only if every segment came from the cache; 'off' if none used it."""
+    if not statuses or all(s == "off" for s in statuses):
+        return "off"
+    if all(s == "hit" for s in statuses):
+        return "hit"
+    return "miss"

@@ -1,0 +1,167 @@
+"""``shardserve warmup``: build every rank's compile cache ahead of time.
+
+For each servable, version and rank of a repository, open the rank's segments through
+``shardserve.compile_cache`` exactly as an agent (or ``run-rank``) would, so the entries
+carry the same keys and a shipped cache is a hit at start. Folders: ``--cache-dir DIR``
+puts every rank's entries in DIR (give the agents the same ``--cache-dir``, or the same
+``[cache] dir`` to run-rank); without it each rank gets the agent's default folder
+``$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<r>``. The key includes the
+onnxruntime version, the CPU's features, the thread count and the mode: warm up on the
+machine type (and with the ``--threads``) the agents will use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from shardserve.errors import RepositoryError
+
+if TYPE_CHECKING:
+    from shardserve.compile_cache import CacheMode, SessionConfig
+    from shardserve.repository import GroupConfig
+
+# onnxruntime and pydantic are imported when the command runs, so building the
+# ``shardserve`` parser stays fast.
+MODES = ("standard", "mem_opt")  # shardserve.compile_cache.CACHE_MODES (a test keeps them equal)
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class RankWarmup:
+    """The outcome for one rank: hit (already cached), miss (built now) or off (not cached)."""
+
+    servable: str
+    version: int
+    rank: int
+    status: Literal["hit", "miss", "off"]
+    ms: float
+    folder: Path | None
+
+    def line(self) -> str:
+        where = self.folder if self.folder is not None else "(cache folder unusable)"
+        return (
+            f"{self.servable} v{self.version} rank {self.rank}: {self.status:<4} "
+            f"{self.ms:8.1f} ms  {where}"
+        )
+
+
+def warm_rank(
+    repo: Path, group: GroupConfig, rank: int, folder: Path, config: SessionConfig
+) -> RankWarmup:
+    """Open (and so cache) one rank's segments; the sessions are dropped right after."""
+    from shardserve.compile_cache import CompileCache
+    from shardserve.lite.slice import overall_status, program_files
+    from shardserve.repository import verify_rank_files
+
+    files = verify_rank_files(repo, group, rank)
+    cache = CompileCache(folder, rank, config)
+    started = time.perf_counter()
+    statuses = [
+        cache.open(files[name], group.ranks[rank].files[name])[1]
+        for name in program_files(group, rank)
+    ]
+    ms = (time.perf_counter() - started) * 1000
+    return RankWarmup(
+        group.servable, group.version, rank, overall_status(statuses), ms, cache.folder
+    )
+
+
+def groups_of(repo: Path, servable: str | None, version: int | None) -> Iterator[GroupConfig]:
+    """Every version's group config of the repository (or of one servable / version)."""
+    from shardserve.repository import list_servables, list_versions, load_group
+
+    names = [servable] if servable is not None else list_servables(repo)
+    for name in names:
+        versions = [version] if version is not None else list_versions(repo, name)
+        if not versions:
+            raise RepositoryError(f"servable {name!r} has no version in repository {repo}")
+        for number in versions:
+            yield load_group(repo, name, number)
+
+
+def warmup(
+    repo: Path,
+    *,
+    cache_dir: Path | None = None,
+    mode: CacheMode = "standard",
+    threads: int = 1,
+    servable: str | None = None,
+    version: int | None = None,
+    report: Callable[[RankWarmup], None] = lambda _: None,
+) -> list[RankWarmup]:
+    """Warm every selected rank, reporting each as it is done."""
+    from shardserve.compile_cache import SessionConfig, default_cache_dir
+
+    config = SessionConfig(intra_op_threads=threads, inter_op_threads=1, mode=mode)
+    results: list[RankWarmup] = []
+    for group in groups_of(repo, servable, version):
+        for rank in range(group.rank_size):
+            folder = cache_dir or default_cache_dir(group.servable, group.version, rank)
+            results.append(warm_rank(repo, group, rank, folder, config))
+            report(results[-1])
+    return results
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("repository", type=Path, metavar="REPO", help="model repository")
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="one folder for every rank (default: each rank's agent default folder)",
+    )
+    parser.add_argument("--mode", choices=MODES, default="standard")
+    parser.add_argument(
+        "--threads", type=_positive_int, default=1, help="onnxruntime threads (as the agents')"
+    )
+    parser.add_argument("--servable", default=None, help="only this servable")
+    parser.add_argument("--version", type=int, default=None, help="only this version")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def run_warmup(args: argparse.Namespace) -> int:
+    try:
+        results = warmup(
+            args.repository,
+            cache_dir=args.cache_dir,
+            mode=args.mode,
+            threads=args.threads,
+            servable=args.servable,
+            version=args.version,
+            report=lambda r: print(r.line(), flush=True),
+        )
+    except RepositoryError as exc:
+        print(f"shardserve warmup: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    built = sum(1 for r in results if r.status == "miss")
+    hits = sum(1 for r in results if r.status == "hit")
+    unusable = sum(1 for r in results if r.status == "off")
+    print(f"{len(results)} rank(s): {built} built, {hits} already cached, {unusable} uncached")
+    return EXIT_FAILED if unusable else 0
+
+
+def build_warmup(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``warmup`` subcommand (registered in ``shardserve.cli.SUBCOMMANDS``)."""
+    parser = subparsers.add_parser(
+        "warmup", help="build every rank's compile cache ahead of time (per rank: hit/miss, time)"
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=run_warmup)
