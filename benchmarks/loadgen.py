@@ -108,8 +108,10 @@ class _Recorder:
         return self.clock() < self.stop_at
 
     def record(self, began: float, ended: float, ok: bool, error: str = "") -> None:
-        if began < self.measure_from:
-            return  # warm-up
+        if ok and began < self.measure_from:
+            return  # warm-up (a failure that ends inside the window still counts)
+        if ended < self.measure_from:
+            return
         self.last_end = max(self.last_end, ended)
         if ok:
             self.latencies_ms.append((ended - began) * 1000.0)

@@ -140,9 +140,10 @@ def load_table(results: dict[str, Any]) -> list[str]:
     lines = [f"{'measurement':<30} {'req/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}"]
     for key, entry in results.items():
         if isinstance(entry, dict) and "rps" in entry:
+            values = [float(entry.get(k, math.nan)) for k in ("rps", "p50_ms", "p99_ms")]
+            rps, p50, p99 = values
             lines.append(
-                f"{key:<30} {entry['rps']:>10.1f} {entry['p50_ms']:>9.2f} "
-                f"{entry['p99_ms']:>9.2f} {entry['errors']:>7}"
+                f"{key:<30} {rps:>10.1f} {p50:>9.2f} {p99:>9.2f} {entry.get('errors', 0):>7}"
             )
     return lines
 

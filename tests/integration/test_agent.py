@@ -237,6 +237,11 @@ async def test_two_ranks_run_a_job_then_stop_cleanly(
     expected = -(np.ones((128, 96), np.float32) @ np.full((96, 16), 0.5, np.float32))
     np.testing.assert_array_equal(y, expected)
     assert results[0].digest == digest_tensors(results[0].outputs)
+    async with asyncio.timeout(WAIT):  # heartbeats carry the work metrics
+        while (beat := await scheduler.next(AgentHeartbeat, 0)).jobs_done == 0:
+            pass
+    assert beat.jobs_done == 1 and beat.compute_ms_total > 0
+    assert beat.collective_ms_total >= 0
 
     for proc in procs:
         proc.proc.send_signal(signal.SIGTERM)

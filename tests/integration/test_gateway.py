@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,8 @@ from shardserve.tensors import Tensor
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+GATEWAY_ID = f"gwtest-{uuid.uuid4().hex[:10]}"  # also its broker connection's name
+RECONNECT_INTERVAL_S = 3.0  # a broker outage of the gateway lasts at least this long
 WEIGHT = np.full((96, 16), 0.5, dtype=np.float32)
 
 
@@ -78,12 +81,13 @@ def gateway_process(
     env = {
         **os.environ,
         AMQP_URL_ENV: isolated_amqp_url,
+        "SHARDSERVE_AMQP_RECONNECT_INTERVAL": str(RECONNECT_INTERVAL_S),
         "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT / "services/gateway/src"), os.environ.get("PYTHONPATH", "")]
         ),
     }
     args = [sys.executable, "-m", "shardserve_gateway", "--http-port", str(port)]
-    args += ["--default-timeout", "10", "--drain-seconds", "5"]
+    args += ["--default-timeout", "10", "--drain-seconds", "5", "--gateway-id", GATEWAY_ID]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
     gw = GatewayProcess(proc, port, log)
@@ -136,12 +140,14 @@ class FakeScheduler:
     servable: str
     silent: str
     received: list[InferRequest] = field(default_factory=list)
+    silent_received: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         if not isinstance(message, InferRequest):
             return
         self.received.append(message)
         if message.servable == self.silent:
+            self.silent_received.set()
             return
         results = tuple(
             InstanceResult(outputs={"y": Tensor.from_numpy(-(i["x"].to_numpy() @ WEIGHT))})
@@ -289,3 +295,74 @@ async def test_mindspore_rest_and_status(
             status = await resp.json()
         assert status["fresh"] is True
         assert {s["name"] for s in status["servables"]} >= {scheduler.servable}
+
+
+# ---------------------------------------------------------------- broker outage
+
+
+def _close_gateway_connection() -> None:
+    """Force-close the gateway's AMQP connection, as a broker restart or a network cut does."""
+    listing = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    pids = [
+        line.split("\t", 1)[0]
+        for line in listing.splitlines()
+        if f'{{"connection_name","{GATEWAY_ID}"}}' in line
+    ]
+    assert pids, f"no broker connection named {GATEWAY_ID}:\n{listing}"
+    for pid in pids:
+        subprocess.run(
+            ["rabbitmqctl", "-q", "close_connection", pid, "test: simulated outage"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+
+async def _post_infer(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0
+) -> tuple[int, dict[str, str]]:
+    body = {
+        "inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32", "data": [1.0] * 12288}]
+    }
+    headers = {"X-Request-Timeout": str(timeout_s)}
+    async with session.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl")
+async def test_broker_outage_fails_fast_then_recovers(
+    scheduler: FakeScheduler, gateway_process: GatewayProcess
+) -> None:
+    base = gateway_process.url
+    async with aiohttp.ClientSession() as session:
+        # A request the (fake) scheduler never answers is in flight when the connection dies.
+        pending = asyncio.create_task(
+            _post_infer(session, f"{base}/v2/models/{scheduler.silent}/infer", timeout_s=30)
+        )
+        await asyncio.wait_for(scheduler.silent_received.wait(), 10)
+        started = time.monotonic()
+        await asyncio.to_thread(_close_gateway_connection)
+        status, body = await pending
+        assert status == 503, body
+        assert "broker connection lost" in body["error"]
+        assert body["code"] == "unavailable"
+        assert time.monotonic() - started < 10  # at once, not at the 30 s deadline
+        # During the outage: not ready, and new requests get 503 at once.
+        async with session.get(f"{base}/v2/health/ready") as resp:
+            assert resp.status == 503
+            assert "message broker is unreachable" in (await resp.json())["error"]
+        status, body = await _post_infer(session, f"{base}/v2/models/{scheduler.servable}/infer")
+        assert (status, body["error"]) == (503, "message broker is unreachable")
+        # After the robust connection is back, replies and status broadcasts flow again.
+        await _wait_ready(gateway_process)
+        status, body = await _post_infer(session, f"{base}/v2/models/{scheduler.servable}/infer")
+        assert status == 200, body
+        await asyncio.sleep(1.0)
+        async with session.get(f"{base}/api/status") as resp:
+            assert (await resp.json())["age_s"] < 1.0  # statuses arrive after the reconnect

@@ -214,7 +214,7 @@ class Broker:
         channel = await self._connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=prefetch)
         self._consume_channels.append(channel)
-        q = await channel.get_queue(queue, ensure=False)
+        q = await self._consumable(channel, queue)
 
         async def on_message(incoming: AbstractIncomingMessage) -> None:
             await self._dispatch(incoming, handler)
@@ -236,10 +236,29 @@ class Broker:
         channel = await self._connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=prefetch)
         self._consume_channels.append(channel)
-        q = await channel.get_queue(queue, ensure=False)
+        q = await self._consumable(channel, queue)
         tag = await q.consume(callback)
         self._consumers[tag] = q
         return tag
+
+    async def _consumable(self, channel: AbstractChannel, queue: str) -> AbstractQueue:
+        """The queue as seen from a consume channel, registered with that (robust) channel
+        so that after a reconnect it is re-declared and its consumer restarted.
+
+        ``get_queue(ensure=False)`` registers nothing: consumers would silently stay gone
+        after a reconnect, and an exclusive queue (gateway replies and status) is deleted
+        with the old connection, so it must be declared again with its arguments.
+        """
+        known = self._queues.get(queue)
+        if known is None:
+            return await channel.get_queue(queue, ensure=False)
+        return await channel.declare_queue(
+            queue,
+            durable=known.durable,
+            exclusive=known.exclusive,
+            auto_delete=known.auto_delete,
+            arguments=known.arguments,
+        )
 
     async def cancel(self, consumer_tag: str) -> None:
         """Stop one consumer; its channel stays open so messages in flight can still be acked."""

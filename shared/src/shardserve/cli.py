@@ -381,9 +381,45 @@ def _build_warmup(subparsers: Subparsers) -> None:
 
 # ---------------------------------------------------------------- entry point
 
+
+def _run_pack(args: argparse.Namespace) -> int:
+    from shardserve.errors import RepositoryError
+    from shardserve.pack import describe_packed, pack_bundle, parse_ranks
+
+    try:
+        ranks = parse_ranks(args.ranks)
+        packed = pack_bundle(
+            args.repository,
+            ranks,
+            args.out,
+            servable=args.servable,
+            version=args.version,
+            overwrite=args.overwrite,
+        )
+    except RepositoryError as exc:
+        print(f"shardserve pack: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(describe_packed(packed, args.out))
+    return 0
+
+
+def build_pack(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "pack", help="write a per-host bundle holding only the slices of some ranks"
+    )
+    parser.add_argument("repository", type=Path, metavar="REPO", help="model repository")
+    parser.add_argument("--ranks", required=True, help="ranks to include, e.g. 0-3 or 0,2,5-7")
+    parser.add_argument("--servable", default=None, help="only this servable (default: all)")
+    parser.add_argument("--version", type=_positive_int, default=None, help="default: all")
+    parser.add_argument("--out", type=Path, required=True, help="bundle folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    parser.set_defaults(handler=_run_pack)
+
+
 SUBCOMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "export": build_export,
     "slice": build_slice,
+    "pack": build_pack,
     "up": build_up,
     "status": build_status,
     "run-rank": _build_run_rank,

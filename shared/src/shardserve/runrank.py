@@ -140,8 +140,8 @@ def format_report(model: Model, outputs: list[Tensor], build_ms: float, predict_
     group, rank = model.group, model.rank
     tag = f"rank {rank}:"
     lines = [
-        f"{tag} {group.servable} v{group.version} rank {rank}/{group.rank_size} stage "
-        f"{model.stage.index}/{group.stage_size} run {model.run_id}: compile cache "
+        f"{tag} {group.servable} v{group.version}, rank {rank} of {group.rank_size}, stage "
+        f"{model.stage.index} of {group.stage_size}, run {model.run_id}: compile cache "
         f"{model.cache_status}, build {build_ms:.1f} ms, predict {predict_ms:.1f} ms"
     ]
     for tensor in outputs:

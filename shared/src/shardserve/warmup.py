@@ -58,16 +58,12 @@ def warm_rank(
 ) -> RankWarmup:
     """Open (and so cache) one rank's segments; the sessions are dropped right after."""
     from shardserve.compile_cache import CompileCache
-    from shardserve.lite.slice import overall_status, program_files
-    from shardserve.repository import verify_rank_files
+    from shardserve.lite.slice import overall_status, rank_segments
 
-    files = verify_rank_files(repo, group, rank)
+    segments = rank_segments(repo, group, rank)
     cache = CompileCache(folder, rank, config)
     started = time.perf_counter()
-    statuses = [
-        cache.open(files[name], group.ranks[rank].files[name])[1]
-        for name in program_files(group, rank)
-    ]
+    statuses = [cache.open(s.path, s.identity)[1] for s in segments.values()]
     ms = (time.perf_counter() - started) * 1000
     return RankWarmup(
         group.servable, group.version, rank, overall_status(statuses), ms, cache.folder

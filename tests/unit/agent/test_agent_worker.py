@@ -75,6 +75,16 @@ async def test_leader_runs_the_stage_and_ships_outputs(loaded: LoadedSlice) -> N
     assert result.digest == digest_tensors(result.outputs)
     assert [p.rank for p in f.parts] == [0]
     assert f.hub.is_finished("j1") and f.worker.inflight == 0
+    stats = f.worker.stats()  # what the heartbeat carries
+    assert stats.jobs_done == 1 and stats.inflight == 0
+    assert stats.compute_ms_total == pytest.approx(result.compute_ms)
+    assert stats.collective_ms_total == pytest.approx(result.collective_ms)
+
+
+async def test_failed_jobs_are_not_counted_as_done(loaded: LoadedSlice) -> None:
+    f = Fixture(loaded)
+    await f.run(work(digest="0" * 32))
+    assert f.worker.stats().jobs_done == 0
 
 
 async def test_expired_work_is_not_started(loaded: LoadedSlice) -> None:

@@ -20,6 +20,8 @@ from shardserve.protocol import (
     InstanceResult,
     MeshStatus,
     MethodStatus,
+    RankStatus,
+    RepositoryCommand,
     ServableStatus,
     TensorSpec,
 )
@@ -79,6 +81,10 @@ class FakeDispatcher:
     handler: Handler = model_reply
     available: bool = True
     requests: list[InferRequest] = field(default_factory=list)
+    commands: list[RepositoryCommand] = field(default_factory=list)
+
+    async def command(self, command: RepositoryCommand) -> None:
+        self.commands.append(command)
 
     async def call(self, request: InferRequest) -> InferReply:
         self.requests.append(request)
@@ -100,6 +106,8 @@ def servable(
     ready: bool = True,
     reason: str = "",
     with_batch_dim: bool = False,
+    ranks: tuple[RankStatus, ...] = (),
+    **fields: Any,
 ) -> ServableStatus:
     return ServableStatus(
         name=name,
@@ -110,7 +118,8 @@ def servable(
         stage_size=1,
         with_batch_dim=with_batch_dim,
         methods=methods,
-        ranks=(),
+        ranks=ranks,
+        **fields,
     )
 
 

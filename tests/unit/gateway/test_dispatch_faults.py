@@ -37,7 +37,9 @@ async def in_flight(
 
 
 @pytest.mark.parametrize(
-    "restart", [SchedulerHello(scheduler="sched-B"), status_from("sched-B")], ids=["hello", "status"]
+    "restart",
+    [SchedulerHello(scheduler="sched-B"), status_from("sched-B")],
+    ids=["hello", "status"],
 )
 async def test_new_scheduler_fails_requests_the_old_one_took(
     restart: SchedulerHello | MeshStatus,

@@ -217,16 +217,32 @@ def test_several_instances_become_jobs_and_one_reply_in_order(kit: Any) -> None:
     assert values == [1.0, 2.0, 3.0]
 
 
-def test_one_failing_instance_fails_the_request_and_drops_its_other_jobs(kit: Any) -> None:
+def test_a_failing_instance_gets_its_own_error_and_the_others_their_outputs(kit: Any) -> None:
     group = kit.group()
     m = machine()
     works = of(PublishStageWork, m.accept(kit.call(group, kit.request(instances=2)), 0.0))
     error = ErrorInfo(code=ErrorCode.STAGE_FAILED, message="boom")
     actions = m.on_result(kit.result(works[0], 0, group, error=error), 1.0)
-    only_reply(actions)
-    assert sorted(c.cancel.job for c in of(Cancel, actions)) == sorted(w.work.job for w in works)
-    assert answer_stage(kit, m, works[1], group) == []
+    assert of(Reply, actions) == []  # instance 1 is still running
+    assert [c.cancel.job for c in of(Cancel, actions)] == [works[0].work.job]
+    reply = only_reply(answer_stage(kit, m, works[1], group))
+    assert reply.reply.error is None
+    first, second = reply.reply.instances
+    assert first.error is not None and first.error.code == ErrorCode.STAGE_FAILED
+    assert first.error.message == "rank 0 failed stage 0 of matmul v1: boom"
+    assert second.outputs is not None and second.error is None
     assert not m.jobs
+
+
+def test_instances_failing_the_same_way_collapse_into_one_request_error(kit: Any) -> None:
+    group = kit.group()
+    m = machine()
+    works = of(PublishStageWork, m.accept(kit.call(group, kit.request(instances=2)), 0.0))
+    actions = m.on_rank_lost("matmul", 1, "matmul v1 lost rank 1 (bye)", 1.0)
+    reply = only_reply(actions)
+    assert reply.reply.instances == ()
+    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.RANK_LOST
+    assert sorted(c.cancel.job for c in of(Cancel, actions)) == sorted(w.work.job for w in works)
 
 
 def test_requested_outputs_are_filtered(kit: Any) -> None:

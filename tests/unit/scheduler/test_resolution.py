@@ -9,10 +9,14 @@ import numpy as np
 import pytest
 
 from shardserve.errors import ErrorCode, InferenceError
+from shardserve.protocol import TensorSpec
 from shardserve.repository import write_group
+from shardserve.signature import ANY_DATATYPE
 from shardserve.tensors import Tensor
 from shardserve_scheduler.catalog import Catalog, load_catalog
+from shardserve_scheduler.methods import ModelStep, PythonStep
 from shardserve_scheduler.registry import Registry
+from shardserve_scheduler.requests import RequestMachine
 from shardserve_scheduler.resolve import resolve
 from shardserve_scheduler.status import mesh_status
 
@@ -64,7 +68,9 @@ def repo(kit: Any, tmp_path: Path) -> Path:
 
 def ready(registry: Registry, kit: Any, servable: str, version: int) -> None:
     for rank in range(2):
-        kit.join(registry, rank, 0.0, f"{servable}-{version}-{rank}", servable=servable, version=version)
+        kit.join(
+            registry, rank, 0.0, f"{servable}-{version}-{rank}", servable=servable, version=version
+        )
 
 
 def refusal(catalog: Catalog, registry: Registry, request: Any) -> InferenceError:
@@ -140,20 +146,31 @@ def test_config_methods_map_their_names_onto_the_model(kit: Any, repo: Path) -> 
         update={"instances": ({"a": kit.tensor(5.0)},)}
     )
     call = resolve(catalog, registry, request, "reply.q", "c")
-    inputs = call.method.model_inputs(request.instances[0])
-    assert set(inputs) == {"x"}
-    outputs = call.method.method_outputs({"y": kit.tensor(1.0)}, None)
-    assert set(outputs) == {"out"}
-    assert [s.name for s in call.method.inputs] == ["a"]
+    plan = call.method
+    env = plan.start_env(request.instances[0])
+    (step,) = plan.steps
+    assert isinstance(step, ModelStep)
+    assert set(plan.model_inputs(step, env)) == {"x"}
+    plan.store_model_outputs(step, env, {"y": kit.tensor(1.0)})
+    assert set(plan.method_outputs(env, None)) == {"out"}
+    assert [s.name for s in plan.inputs] == ["a"]
+    assert plan.inputs[0].datatype == "FP32" and plan.outputs[0].shape == (2, 3)
 
 
-def test_python_stage_methods_are_refused_with_a_reason(kit: Any, repo: Path) -> None:
+def test_python_stage_methods_are_served_with_any_typed_inputs(kit: Any, repo: Path) -> None:
     catalog, registry = setup(repo)
     ready(registry, kit, "custom", 1)
-    request = kit.request(servable="custom", method="with_python")
-    err = refusal(catalog, registry, request)
-    assert err.code == ErrorCode.UNAVAILABLE
-    assert "stage 1 (Preprocess) is a Python stage" in err.message
+    request = kit.request(servable="custom", method="with_python").model_copy(
+        update={"instances": ({"a": Tensor.from_numpy(np.arange(3))},)}
+    )
+    call = resolve(catalog, registry, request, "reply.q", "c")
+    plan = call.method
+    assert [type(s).__name__ for s in plan.steps] == ["PythonStep", "ModelStep"]
+    # known only by name: the Python stage decides what it accepts
+    assert plan.inputs == (TensorSpec(name="a", datatype=ANY_DATATYPE, shape=()),)
+    assert plan.outputs == (TensorSpec(name="out", datatype="FP32", shape=(2, 3)),)
+    python = plan.steps[0]
+    assert isinstance(python, PythonStep) and python.tag == "Preprocess"
 
 
 def test_a_broken_config_isolates_its_servable(
@@ -187,7 +204,9 @@ def test_config_that_disagrees_with_group_json(kit: Any, repo: Path) -> None:
 def test_status_lists_methods_ranks_and_reasons(kit: Any, repo: Path) -> None:
     catalog, registry = setup(repo)
     ready(registry, kit, "matmul", 1)
-    status = mesh_status("sched", catalog, registry, lambda s, v: 0, 1.0)
+    status = mesh_status(
+        "sched", catalog, registry, RequestMachine(result_to="q", id_prefix="t"), 1.0
+    )
     by_key = {(s.name, s.version): s for s in status.servables}
     v1 = by_key[("matmul", 1)]
     assert v1.ready and v1.reason == "" and [m.name for m in v1.methods] == ["predict"]
@@ -197,4 +216,6 @@ def test_status_lists_methods_ranks_and_reasons(kit: Any, repo: Path) -> None:
     assert by_key[("matmul", 2)].reason == "matmul v2 is not ready: ranks 0, 1 missing"
     broken = by_key[("broken", 1)]
     assert not broken.ready and "cannot import my tokenizer" in broken.reason
-    assert [m.name for m in by_key[("custom", 1)].methods] == ["compute"]
+    assert [m.name for m in by_key[("custom", 1)].methods] == ["compute", "with_python"]
+    assert v1.state == "available" and by_key[("matmul", 2)].state == "loading"
+    assert broken.state == "failed"

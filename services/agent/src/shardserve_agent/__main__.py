@@ -10,7 +10,7 @@ import asyncio
 import logging
 import sys
 
-from shardserve.errors import ShardserveError
+from shardserve.errors import ShardserveError, UnsafePathError
 from shardserve.lifecycle import run_service, setup_logging
 from shardserve.repository import GroupConfig, list_versions, load_group
 from shardserve_agent.outsider import report_outside_rank
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load_slice(settings)
     except SliceTooLargeError as exc:
         _logger.error("%s", exc)
+        return EXIT_FATAL
+    except UnsafePathError as exc:  # e.g. external data pointing outside the rank folder
+        _logger.error("refusing to start rank %d of %s: %s", settings.rank, settings.servable, exc)
         return EXIT_FATAL
     except Exception as exc:  # any load failure is fatal; say what it was
         _logger.error(

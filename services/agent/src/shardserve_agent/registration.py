@@ -25,6 +25,7 @@ from shardserve.topology import (
     agent_control_key,
 )
 from shardserve_agent.slice_loader import LoadedSlice
+from shardserve_agent.worker import WorkStats
 
 _logger = logging.getLogger(__name__)
 
@@ -44,16 +45,17 @@ class Registration:
     """Builds and sends this agent's control messages; receives its verdicts."""
 
     def __init__(
-        self, broker: Broker, loaded: LoadedSlice, instance: str, inflight: Callable[[], int]
+        self, broker: Broker, loaded: LoadedSlice, instance: str, stats: Callable[[], WorkStats]
     ) -> None:
         self._broker = broker
         self._slice = loaded
         self.instance = instance
-        self._inflight = inflight
+        self._stats = stats
         self._verdicts: asyncio.Queue[RegistrationVerdict] = asyncio.Queue()
 
     def _state(self, state: AgentStateName) -> dict[str, Any]:
         group = self._slice.group
+        work = self._stats()
         return dict(
             instance=self.instance,
             servable=group.servable,
@@ -67,7 +69,10 @@ class Registration:
             cache=self._slice.cache,
             load_ms=self._slice.load_ms,
             rss_bytes=rss_bytes(),
-            inflight=self._inflight(),
+            inflight=work.inflight,
+            jobs_done=work.jobs_done,
+            compute_ms_total=work.compute_ms_total,
+            collective_ms_total=work.collective_ms_total,
             control_key=agent_control_key(self.instance),
         )
 

@@ -75,9 +75,7 @@ class AgentService:
             publish=self._publish_part,
         )
         self._worker = StageWorker(loaded, self._hub, self._publish_result)
-        self._registration = Registration(
-            self._broker, loaded, self.instance, lambda: self._worker.inflight
-        )
+        self._registration = Registration(self._broker, loaded, self.instance, self._worker.stats)
         self._accepted = False
 
     async def _publish_part(self, part: CollectivePart) -> None:

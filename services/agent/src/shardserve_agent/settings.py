@@ -204,7 +204,7 @@ def parse_settings(
     parser = build_parser(env)
     args = parser.parse_args(argv)
     if args.cache_mode not in CACHE_MODES:  # a bad SHARDSERVE_AGENT_CACHE_MODE value
-        parser.error(f"--cache-mode must be one of {'|'.join(CACHE_MODES)}, not {args.cache_mode!r}")
+        parser.error(f"--cache-mode must be {'|'.join(CACHE_MODES)}, not {args.cache_mode!r}")
     # argparse applies ``type`` to string defaults, so env values are checked the same way.
     return AgentSettings(
         repository=args.repository,

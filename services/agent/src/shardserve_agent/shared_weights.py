@@ -45,9 +45,7 @@ class SharedWeights:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)  # keeps OrtValues' memory
 
     def for_segment(self, segment: str) -> dict[str, ort.OrtValue]:
-        return {
-            name: value for name, value in self.values.items() if segment in self.users[name]
-        }
+        return {name: value for name, value in self.values.items() if segment in self.users[name]}
 
     @property
     def nbytes(self) -> int:
@@ -81,7 +79,8 @@ def _read(segments: Mapping[str, Path], shared: dict[str, tuple[str, ...]]) -> S
         wanted = set(names)
         for tensor in model.graph.initializer:
             if tensor.name in wanted:
-                array = np.ascontiguousarray(numpy_helper.to_array(tensor, str(path.parent)))
+                # a copy that owns its memory: to_array may return a view of the proto
+                array = np.array(numpy_helper.to_array(tensor, str(path.parent)), order="C")
                 weights.arrays[tensor.name] = array
                 weights.values[tensor.name] = ort.OrtValue.ortvalue_from_numpy(array)
     return weights

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
 from shardserve.errors import RepositoryError, UnsafePathError
+from shardserve.pack import missing_slice_message
 from shardserve.program import OrtSegment
 from shardserve.repository import (
     GroupConfig,
@@ -99,10 +100,15 @@ def load_slice(settings: AgentSettings) -> LoadedSlice:
 def _load(settings: AgentSettings) -> LoadedSlice:
     version = resolve_version(settings.repository, settings.servable, settings.version)
     group = load_group(settings.repository, settings.servable, version)
+    if 0 <= settings.rank < group.rank_size:  # (outsiders are refused by the scheduler)
+        missing = missing_slice_message(settings.repository, group, settings.rank)
+        if missing:
+            raise RepositoryError(missing)
     files = verify_rank_files(settings.repository, group, settings.rank)
     disk_bytes = sum(path.stat().st_size for path in files.values())
     stage = group.stage_of(settings.rank)
-    segments = segment_files(stage, files)
+    digests = group.ranks[settings.rank].files
+    segments, identities = segment_files(stage, files, digests)
     cache = CompileCache(
         settings.resolved_cache_dir(version),
         settings.rank,
@@ -112,7 +118,7 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     )
     started = time.perf_counter()
     shared = find_shared_weights(segments) if settings.share_weights else SharedWeights()
-    runners, status = _open_sessions(cache, segments, group.ranks[settings.rank].files, shared)
+    runners, status = _open_sessions(cache, segments, identities, shared)
     load_ms = (time.perf_counter() - started) * 1000
     _logger.info(
         "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s (%s), "
@@ -139,24 +145,35 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     )
 
 
-def segment_files(stage: StageSpec, files: dict[str, Path]) -> dict[str, Path]:
+def segment_files(
+    stage: StageSpec, files: dict[str, Path], digests: dict[str, str]
+) -> tuple[dict[str, Path], dict[str, str]]:
     """The segments the stage program runs (name -> path), each checked for external data
-    that would leave the rank folder or was not checksummed (raises UnsafePathError)."""
+    that would leave the rank folder or was not checksummed (raises UnsafePathError), and
+    each segment's identity for the compile cache: its sha256, combined with its data
+    files' when it has some (the .onnx alone does not pin the weights)."""
     segments: dict[str, Path] = {}
+    identities: dict[str, str] = {}
     for op in stage.program:
         if not isinstance(op, RunOp) or op.file in segments:
             continue
         if op.file not in files:
             raise RepositoryError(f"stage {stage.index} runs {op.file}, not a file of this rank")
         path = files[op.file]
-        for data in check_external_data(path):
+        data_files = check_external_data(path)
+        for data in data_files:
             if data not in files:
                 raise UnsafePathError(
                     f"{path}: external data file {data!r} is not listed (with its sha256) "
                     f"among the rank's files in group.json"
                 )
         segments[op.file] = path
-    return segments
+        identities[op.file] = (
+            rank_checksum({n: digests[n] for n in (op.file, *data_files)})
+            if data_files
+            else digests[op.file]
+        )
+    return segments, identities
 
 
 def _disk_bytes(settings: AgentSettings) -> int:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -27,6 +28,16 @@ _logger = logging.getLogger(__name__)
 
 ResultPublisher = Callable[[str, StageResult], Awaitable[None]]
 Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class WorkStats:
+    """What the heartbeat reports about this rank's work so far."""
+
+    inflight: int = 0
+    jobs_done: int = 0
+    compute_ms_total: float = 0.0
+    collective_ms_total: float = 0.0
 
 
 class StageWorker:
@@ -51,6 +62,16 @@ class StageWorker:
         self.draining = False
         self.inflight = 0
         self.completed = 0
+        self.compute_ms_total = 0.0
+        self.collective_ms_total = 0.0
+
+    def stats(self) -> WorkStats:
+        return WorkStats(
+            inflight=self.inflight,
+            jobs_done=self.completed,
+            compute_ms_total=self.compute_ms_total,
+            collective_ms_total=self.collective_ms_total,
+        )
 
     async def handle(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         """Broker handler of the work queue (acked when this returns)."""
@@ -154,7 +175,10 @@ class StageWorker:
         finally:
             self._hub.finish(work.job)
         total_ms = (time.perf_counter() - started) * 1000
+        compute_ms = max(total_ms - collective.wait_ms, 0.0)
         self.completed += 1
+        self.compute_ms_total += compute_ms
+        self.collective_ms_total += collective.wait_ms
         _logger.debug(
             "stage %d done in %.1f ms (%.1f ms waiting for peers)",
             work.stage,
@@ -169,7 +193,7 @@ class StageWorker:
             rank=self._slice.rank,
             digest=digest_tensors(tensors),
             outputs=tensors if self._slice.is_leader else None,
-            compute_ms=max(total_ms - collective.wait_ms, 0.0),
+            compute_ms=compute_ms,
             collective_ms=collective.wait_ms,
         )
 

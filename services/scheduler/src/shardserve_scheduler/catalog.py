@@ -28,11 +28,9 @@ from shardserve.repository import (
     load_group,
 )
 from shardserve.servable import (
-    MethodDefinition,
     ServableDefinition,
     load_servable_config,
 )
-
 from shardserve_scheduler.methods import DEFAULT_METHOD, MethodPlan, default_method, plan_method
 
 __all__ = ["Catalog", "MethodPlan", "ServableEntry", "VersionEntry", "default_method"]

@@ -115,7 +115,7 @@ class Lane:
 
     @property
     def waiting(self) -> int:
-        return len(self.queued) + (len(self.batcher) if self.batcher else 0)
+        return len(self.queued) + (len(self.batcher) if self.batcher is not None else 0)
 
 
 @dataclass

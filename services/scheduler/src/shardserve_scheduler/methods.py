@@ -74,7 +74,9 @@ class MethodPlan:
         return {(0, i): instance[spec.name] for i, spec in enumerate(self.inputs)}
 
     def model_inputs(self, step: ModelStep, env: Env) -> TensorMap:
-        return {name: env[ref] for name, ref in zip(self.model_inputs_names, step.inputs)}
+        return {
+            name: env[ref] for name, ref in zip(self.model_inputs_names, step.inputs, strict=True)
+        }
 
     def store_model_outputs(self, step: ModelStep, env: Env, outputs: TensorMap) -> None:
         for j, name in enumerate(self.model_outputs_names):

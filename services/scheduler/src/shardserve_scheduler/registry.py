@@ -39,6 +39,10 @@ class RankSlot:
     host: str = ""
     pid: int = 0
     control_key: str = ""
+    load_ms: float = 0.0
+    jobs_done: int = 0
+    compute_ms_total: float = 0.0
+    collective_ms_total: float = 0.0
 
     @property
     def live(self) -> bool:
@@ -56,6 +60,10 @@ class RankSlot:
         self.host = msg.host
         self.pid = msg.pid
         self.control_key = msg.control_key
+        self.load_ms = msg.load_ms
+        self.jobs_done = msg.jobs_done
+        self.compute_ms_total = msg.compute_ms_total
+        self.collective_ms_total = msg.collective_ms_total
 
     def status(self, now: float) -> RankStatus:
         age = None if self.last_seen is None else round(max(0.0, now - self.last_seen), 3)
@@ -70,6 +78,10 @@ class RankSlot:
             inflight=self.inflight,
             host=self.host,
             pid=self.pid,
+            load_ms=self.load_ms,
+            jobs_done=self.jobs_done,
+            compute_ms_total=self.compute_ms_total,
+            collective_ms_total=self.collective_ms_total,
         )
 
 
@@ -155,6 +167,20 @@ class Registry:
             for c in configs
         }
         return cls(groups, heartbeat_timeout, wait_agents_seconds, now)
+
+    def add_group(self, config: GroupConfig) -> None:
+        """A version loaded while running: its ranks start missing (agents register later)."""
+        key = (config.servable, config.version)
+        if key not in self.groups:
+            slots = [RankSlot(r.rank, r.stage, r.checksum) for r in config.ranks]
+            self.groups[key] = GroupState(config, slots)
+
+    def remove_group(self, servable: str, version: int) -> list[str]:
+        """Forget an unloaded version; return the instances that still held its ranks."""
+        group = self.groups.pop((servable, version), None)
+        if group is None:
+            return []
+        return [slot.instance for slot in group.slots if slot.instance and slot.live]
 
     def group(self, servable: str, version: int) -> GroupState | None:
         return self.groups.get((servable, version))

@@ -36,7 +36,7 @@ from shardserve.protocol import (
     TensorMap,
 )
 from shardserve.signature import check_instance
-from shardserve.tensors import digest_tensors
+from shardserve.tensors import Tensor, digest_tensors
 from shardserve_scheduler import batching
 from shardserve_scheduler.actions import (
     Action,
@@ -121,7 +121,9 @@ class RequestMachine:
 
     def next_wakeup(self) -> float | None:
         """When the earliest open batch is due (the shell ticks then), or None."""
-        dues = [lane.batcher.next_due() for lane in self._lanes.values() if lane.batcher]
+        dues = [
+            lane.batcher.next_due() for lane in self._lanes.values() if lane.batcher is not None
+        ]
         known = [d for d in dues if d is not None]
         return min(known) if known else None
 
@@ -209,7 +211,7 @@ class RequestMachine:
                 if instance.outcome is None and state.key in self.requests:
                     actions += self._fail_instance(state, index, ErrorCode.RANK_LOST, message, now)
         lane = self._lanes.get((servable, version))
-        if lane and lane.batcher:
+        if lane and lane.batcher is not None:
             lane.batcher.clear()
         return actions + self._settle(now)
 
@@ -307,7 +309,7 @@ class RequestMachine:
         lane = self._lane(call)
         try:
             check_instance(inputs, call.group.inputs, batch_dim=call.group.with_batch_dim)
-            rows = batching.rows_of(inputs, lane.no_batch) if lane.batcher else 1
+            rows = batching.rows_of(inputs, lane.no_batch) if lane.batcher is not None else 1
         except (InferenceError, ValueError) as exc:
             text = exc.message if isinstance(exc, InferenceError) else str(exc)
             message = f"stage {step.index} ({step.tag}) input: {text}"
@@ -362,8 +364,8 @@ class RequestMachine:
 
     def _settle(self, now: float) -> list[Action]:
         """After every event: flush due batches, start Python tasks, start queued jobs."""
-        for key, lane in self._lanes.items():
-            if lane.batcher:
+        for lane in self._lanes.values():
+            if lane.batcher is not None:
                 for pieces in lane.batcher.due(now):
                     self._batch_job(lane, pieces, now)
         actions = self._start_python()
@@ -385,7 +387,7 @@ class RequestMachine:
                 actions.append(RunPython(PythonTask(task_id, key[1], step, args)))
         return actions
 
-    def _python_args(self, step: PythonStep, key: str, index: int) -> tuple:  # type: ignore[type-arg]
+    def _python_args(self, step: PythonStep, key: str, index: int) -> tuple[Tensor, ...]:
         env = self.requests[key].instances[index].env
         return tuple(env[ref] for ref in step.inputs)
 

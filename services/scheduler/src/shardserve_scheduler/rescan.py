@@ -21,8 +21,8 @@ from shardserve_scheduler.catalog import (
     GroupKey,
     ServableEntry,
     VersionEntry,
-    load_definition,
     build_version,
+    load_definition,
 )
 
 _logger = logging.getLogger(__name__)

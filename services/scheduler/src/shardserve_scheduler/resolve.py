@@ -28,16 +28,22 @@ def resolve(
         raise NotFoundError(f"servable {request.servable!r} not found; servables: {known}")
     if servable.problem:
         raise UnavailableError(f"servable {servable.name} is unavailable: {servable.problem}")
-    entry = _pick_version(servable, registry, request.version)
+    entry = _pick_version(catalog, servable, registry, request.version)
     method = _pick_method(servable.name, entry, request.method)
     _check_group_ready(registry, entry)
-    _validate(request, method)
+    _validate(request, method, batch_dim=entry.group.with_batch_dim)
     return Call(request, reply_to, correlation_id, entry.group, method)
 
 
-def _pick_version(servable: ServableEntry, registry: Registry, version: int) -> VersionEntry:
+def _pick_version(
+    catalog: Catalog, servable: ServableEntry, registry: Registry, version: int
+) -> VersionEntry:
     if version == 0:
-        return _highest_ready(servable, registry)
+        return _highest_ready(catalog, servable, registry)
+    if (servable.name, version) in catalog.unloading:
+        raise UnavailableError(
+            f"servable {servable.name} version {version} is unloading; it takes no new requests"
+        )
     if version in servable.broken_versions:
         raise UnavailableError(
             f"servable {servable.name} version {version} is unavailable: "
@@ -52,18 +58,19 @@ def _pick_version(servable: ServableEntry, registry: Registry, version: int) -> 
     return entry
 
 
-def _highest_ready(servable: ServableEntry, registry: Registry) -> VersionEntry:
-    """The highest version whose group is ready; if none is, the highest one (refused later
-    by the readiness check with the missing ranks named)."""
-    if not servable.versions:
-        reasons = "; ".join(servable.broken_versions.values())
+def _highest_ready(catalog: Catalog, servable: ServableEntry, registry: Registry) -> VersionEntry:
+    """The highest version whose group is ready (unloading ones skipped); if none is, the
+    highest one (refused later by the readiness check with the missing ranks named)."""
+    candidates = [v for v in servable.versions if (servable.name, v) not in catalog.unloading]
+    if not candidates:
+        reasons = "; ".join(servable.broken_versions.values()) or "every version is unloading"
         raise UnavailableError(f"servable {servable.name} has no loadable version: {reasons}")
-    for version in sorted(servable.versions, reverse=True):
+    for version in sorted(candidates, reverse=True):
         entry = servable.versions[version]
         group = registry.group(servable.name, version)
         if group is not None and group.ready and not entry.problem:
             return entry
-    return servable.versions[max(servable.versions)]
+    return servable.versions[max(candidates)]
 
 
 def _pick_method(servable: str, entry: VersionEntry, method: str) -> MethodPlan:
@@ -90,10 +97,10 @@ def _check_group_ready(registry: Registry, entry: VersionEntry) -> None:
         raise UnavailableError(group.not_ready_reason())
 
 
-def _validate(request: InferRequest, method: MethodPlan) -> None:
+def _validate(request: InferRequest, method: MethodPlan, *, batch_dim: bool) -> None:
     for index, instance in enumerate(request.instances):
         try:
-            check_instance(instance, method.inputs)
+            check_instance(instance, method.inputs, batch_dim=batch_dim)
             for tensor in instance.values():
                 tensor.to_numpy()  # data length must fit shape and dtype (no copy)
         except InferenceError as exc:

@@ -2,8 +2,20 @@
 
 Tasks (one TaskGroup owns them): the *sender* executes actions in the order the core
 produced them (so every StageWork leaves from one channel, in order), the *ticker* drives
-heartbeat timeouts and deadlines, the *status* loop broadcasts MeshStatus. Consumers
-(requests, control, results) only call the core and queue its actions.
+heartbeat timeouts, deadlines and batch delays (it wakes early when a batch is due), the
+*status* loop broadcasts MeshStatus, the *poller* rescans the repository. Python stages
+run in a thread pool (--python-workers); each run is a task of the same TaskGroup that
+feeds its outcome back to the core. Consumers (requests, control, results) only call the
+core and queue its actions.
+
+Versions come and go while running: a rescan (every --repository-poll-seconds, and on a
+RepositoryCommand "load") adds new version folders to the catalog and the registry (their
+agents register when started). A RepositoryCommand "unload" (or a version folder removed
+from disk) puts the version in state "unloading": explicit requests for it get 503,
+version 0 skips it; once its open requests are done it is dropped (then 404), and every
+agent still holding one of its ranks gets ``RegistrationVerdict(accepted=False,
+reason="unloaded")`` on its control key, so it exits (code 3). An unloaded version comes
+back only with a "load" command (a scan does not re-add it).
 
 SIGTERM: stop consuming requests, let open requests finish (bounded by --drain-seconds),
 reply UNAVAILABLE "scheduler shutting down" to the rest, then tear down in reverse order.
@@ -29,6 +41,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -44,11 +57,22 @@ from shardserve.protocol import (
     InferRequest,
     Message,
     RegistrationVerdict,
+    RepositoryCommand,
     SchedulerHello,
     StageResult,
 )
-from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, error_reply
-from shardserve_scheduler.catalog import Catalog, load_catalog
+from shardserve_scheduler import rescan
+from shardserve_scheduler.actions import (
+    Action,
+    Cancel,
+    Log,
+    PublishStageWork,
+    Reply,
+    RunPython,
+    error_reply,
+)
+from shardserve_scheduler.catalog import Catalog, GroupKey, load_catalog
+from shardserve_scheduler.pystages import run_python_task
 from shardserve_scheduler.registry import Registry
 from shardserve_scheduler.requests import RequestMachine
 from shardserve_scheduler.resolve import resolve
@@ -62,6 +86,7 @@ REQUEST_PREFETCH = 256
 CONTROL_PREFETCH = 256
 RESULT_PREFETCH = 1024
 SHUTDOWN_MESSAGE = "scheduler shutting down"
+UNLOADED_REASON = "unloaded"
 
 
 @dataclass(frozen=True)
@@ -69,6 +94,16 @@ class _CancelConsumer:
     """Stop consuming requests (queued behind the replies of a step-down)."""
 
     consumer_tag: str
+
+
+@dataclass(frozen=True)
+class _SendVerdict:
+    """Tell an agent of an unloaded version to leave."""
+
+    verdict: RegistrationVerdict
+
+
+_Outgoing = Action | _CancelConsumer | _SendVerdict
 
 
 class SchedulerService:
@@ -88,11 +123,18 @@ class SchedulerService:
             result_to=topology.scheduler_result_queue(settings.scheduler_id).name,
             id_prefix=uuid.uuid4().hex[:8],
             max_inflight=settings.max_inflight,
+            max_batch_size=settings.max_batch_size,
+            batch_delay=settings.max_batch_delay_ms / 1000.0,
         )
+        self._pool = ThreadPoolExecutor(settings.python_workers, thread_name_prefix="pystage")
+        self._tasks: asyncio.TaskGroup | None = None
+        self._python_runs: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()  # a batch became due sooner than the next tick
+        self._held_back: set[GroupKey] = set()  # unloaded by command: scans do not re-add
         self.broker = Broker(settings.broker, f"scheduler-{settings.scheduler_id}")
         self.refused_requests = 0
         self.dead_lettered_requests = 0
-        self._outbox: asyncio.Queue[Action | _CancelConsumer | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[_Outgoing | None] = asyncio.Queue()
         self._status_changed = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is open (for the drain)
         self._idle.set()
@@ -112,9 +154,11 @@ class SchedulerService:
         try:
             await self._declare()
             async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
                 sender = tasks.create_task(self._send_loop(), name="sender")
                 ticker = tasks.create_task(self._tick_loop(), name="ticker")
                 status = tasks.create_task(self._status_loop(), name="status")
+                poller = tasks.create_task(self._poll_loop(), name="poller")
                 leader = tasks.create_task(self._leadership_loop(), name="leadership")
                 await self._start_consuming()
                 _logger.info(
@@ -126,9 +170,11 @@ class SchedulerService:
                 await self._drain()
                 self._outbox.put_nowait(None)  # the sender finishes what is queued, then ends
                 await sender
-                for task in (status, ticker):
+                for task in (poller, status, ticker, *self._python_runs):
                     task.cancel()
         finally:
+            self._tasks = None
+            self._pool.shutdown(wait=False, cancel_futures=True)
             await self.broker.close()
         _logger.info("scheduler stopped")
 
@@ -289,6 +335,8 @@ class SchedulerService:
                 self._emit(
                     self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now)
                 )
+        elif isinstance(message, RepositoryCommand):
+            await self._on_command(message)
         else:
             _logger.debug("ignoring a %s on the control queue", message.kind)
         self._check_readiness()
@@ -325,7 +373,13 @@ class SchedulerService:
 
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(TICK_SECONDS)
+            timeout = TICK_SECONDS
+            due = self.machine.next_wakeup()
+            if due is not None:
+                timeout = min(timeout, max(0.0, due - self.clock()))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
             self._tick(self.clock())
 
     def _tick(self, now: float) -> None:
@@ -337,6 +391,7 @@ class SchedulerService:
             _logger.error("%s", failure)
             self._status_changed.set()
         self._emit(self.machine.tick(now))
+        self._finish_unloads()
         self._check_readiness()
 
     def _check_readiness(self) -> None:
@@ -363,8 +418,9 @@ class SchedulerService:
             self.settings.scheduler_id,
             self.catalog,
             self.registry,
-            self.machine.inflight,
+            self.machine,
             self.clock(),
+            dead_lettered=self.dead_lettered_requests,
         )
         try:
             await self.broker.publish(
@@ -378,6 +434,8 @@ class SchedulerService:
     def _emit(self, actions: Iterable[Action]) -> None:
         for action in actions:
             self._outbox.put_nowait(action)
+        if self.machine.next_wakeup() is not None:
+            self._wake.set()
         if self.machine.open_requests:
             self._idle.clear()
         else:
@@ -387,7 +445,13 @@ class SchedulerService:
         while (action := await self._outbox.get()) is not None:
             await self._execute(action)
 
-    async def _execute(self, action: Action | _CancelConsumer) -> None:
+    async def _execute(self, action: _Outgoing) -> None:
+        if isinstance(action, _SendVerdict):
+            await self._send_verdict(action.verdict)
+            return
+        if isinstance(action, RunPython):
+            self._start_python(action)
+            return
         if isinstance(action, _CancelConsumer):
             try:
                 await self.broker.cancel(action.consumer_tag)
@@ -427,3 +491,113 @@ class SchedulerService:
             request_id_var.reset(token)
         else:
             _logger.warning("could not publish a job cancel: %s", exc)
+
+    # ------------------------------------------------------------------ Python stages
+
+    def _start_python(self, action: RunPython) -> None:
+        if self._tasks is None or self._closing:
+            return  # stopping: the machine has already answered every request
+        run = self._tasks.create_task(self._run_python(action), name=f"py-{action.task.id}")
+        self._python_runs.add(run)
+        run.add_done_callback(self._python_runs.discard)
+
+    async def _run_python(self, action: RunPython) -> None:
+        loop = asyncio.get_running_loop()
+        outcomes = await loop.run_in_executor(self._pool, run_python_task, action.task)
+        self._emit(self.machine.on_python_done(action.task.id, outcomes, self.clock()))
+
+    # ------------------------------------------------------------------ repository changes
+
+    async def _poll_loop(self) -> None:
+        interval = self.settings.repository_poll_seconds
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self._rescan()
+            except Exception as exc:  # a scan must never take the scheduler down
+                _logger.exception("repository rescan failed: %s", exc)
+
+    async def _rescan(self) -> None:
+        result = await asyncio.to_thread(
+            rescan.scan,
+            self.settings.repository,
+            rescan.served_keys(self.catalog),
+            rescan.broken_keys(self.catalog),
+            set(self._held_back),
+        )
+        for config in rescan.apply(self.catalog, result):
+            self.registry.add_group(config)
+            _logger.info(
+                "loaded %s v%d (rank_size %d, stage_size %d); waiting for its agents",
+                config.servable,
+                config.version,
+                config.rank_size,
+                config.stage_size,
+            )
+            self._status_changed.set()
+        for key in result.removed:
+            if key not in self.catalog.unloading:
+                _logger.info("%s v%d: its folder is gone; unloading it", *key)
+                self._start_unload(key)
+
+    async def _on_command(self, command: RepositoryCommand) -> None:
+        keys = self._command_keys(command)
+        _logger.info("repository command %s %s v%d", command.action, *keys_label(command))
+        if command.action == "load":
+            self._held_back = {
+                k
+                for k in self._held_back
+                if k[0] != command.servable or command.version not in (0, k[1])
+            }
+            await self._rescan()
+            return
+        for key in sorted(keys):
+            self._held_back.add(key)
+            self._start_unload(key)
+
+    def _command_keys(self, command: RepositoryCommand) -> set[GroupKey]:
+        if command.version:
+            return {(command.servable, command.version)}
+        servable = self.catalog.servables.get(command.servable)
+        return {(command.servable, v) for v in (servable.all_versions() if servable else [])}
+
+    def _start_unload(self, key: GroupKey) -> None:
+        if self.catalog.entry(key) is None:
+            self.catalog.drop(key)  # a broken or unknown version: nothing to drain
+            return
+        self.catalog.unloading.add(key)
+        _logger.info(
+            "%s v%d is unloading: %d request(s) to finish", *key, self.machine.open_for(*key)
+        )
+        self._status_changed.set()
+
+    def _finish_unloads(self) -> None:
+        for key in sorted(self.catalog.unloading):
+            if self.machine.open_for(*key):
+                continue
+            instances = self.registry.remove_group(*key)
+            self.catalog.drop(key)
+            self.machine.forget(*key)
+            self._readiness = self.registry.readiness()
+            _logger.info("%s v%d unloaded; telling %d agent(s) to leave", *key, len(instances))
+            for instance in instances:
+                verdict = RegistrationVerdict(
+                    instance=instance, accepted=False, reason=UNLOADED_REASON
+                )
+                self._outbox.put_nowait(_SendVerdict(verdict))
+            self._status_changed.set()
+
+    async def _send_verdict(self, verdict: RegistrationVerdict) -> None:
+        if not self.active:
+            return  # the active scheduler tells the agents
+        key = topology.agent_control_key(verdict.instance)
+        try:
+            await self.broker.publish(topology.CONTROL_EXCHANGE, key, verdict, confirm=True)
+        except InferenceError as exc:
+            _logger.warning("could not tell %s to leave: %s", verdict.instance, exc)
+
+
+def keys_label(command: RepositoryCommand) -> tuple[str, int]:
+    return command.servable, command.version

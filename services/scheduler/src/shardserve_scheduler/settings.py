@@ -35,7 +35,10 @@ class SchedulerSettings:
     max_inflight: int = 64
     status_interval: float = 1.0
     drain_seconds: float = 10.0
-    max_batch_delay_ms: float = 2.0  # reserved for batching; jobs are single instances today
+    max_batch_delay_ms: float = 2.0
+    max_batch_size: int = 32
+    python_workers: int = 4
+    repository_poll_seconds: float = 2.0
     scheduler_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -108,8 +111,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--max-inflight",
         type=_positive_int,
         default=default("MAX_INFLIGHT", 64),
-        help="jobs in flight per servable; more wait in a FIFO of 10x this, beyond which "
-        "requests are refused as overloaded (default 64)",
+        help="model jobs (batches) in flight per servable version, across all its pipeline "
+        "stages; more wait in a FIFO of 10x this, beyond which requests are refused as "
+        "overloaded (default 64: enough to keep every stage of a deep pipeline busy with "
+        "several batches; 1 = one job at a time, no pipelining)",
     )
     add(
         "--status-interval",
@@ -127,7 +132,28 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--max-batch-delay-ms",
         type=_non_negative_float,
         default=default("MAX_BATCH_DELAY_MS", 2.0),
-        help="reserved for batching (jobs are single instances today; default 2)",
+        help="how long a batch may wait to fill before it is sent (default 2; 0 = send "
+        "what arrived with each event)",
+    )
+    add(
+        "--max-batch-size",
+        type=_positive_int,
+        default=default("MAX_BATCH_SIZE", 32),
+        help="rows per model run for with_batch_dim servables without a fixed batch dim "
+        "(default 32; 1 disables batching: one job per instance)",
+    )
+    add(
+        "--python-workers",
+        type=_positive_int,
+        default=default("PYTHON_WORKERS", 4),
+        help="threads running Python pre/post-processing stages (default 4)",
+    )
+    add(
+        "--repository-poll-seconds",
+        type=_non_negative_float,
+        default=default("REPOSITORY_POLL_SECONDS", 2.0),
+        help="rescan the repository this often for added/removed version folders "
+        "(default 2; 0 = only on a RepositoryCommand 'load')",
     )
     return parser
 
@@ -147,5 +173,8 @@ def parse_settings(
         status_interval=float(args.status_interval),
         drain_seconds=float(args.drain_seconds),
         max_batch_delay_ms=float(args.max_batch_delay_ms),
+        max_batch_size=int(args.max_batch_size),
+        python_workers=int(args.python_workers),
+        repository_poll_seconds=float(args.repository_poll_seconds),
         broker=BrokerSettings.from_env(dict(env)),
     )

@@ -1,40 +1,62 @@
-"""The MeshStatus the scheduler broadcasts: every servable version, its methods, its ranks."""
+"""The MeshStatus the scheduler broadcasts: every servable version, its methods, its ranks,
+its load and its counters."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Literal, Protocol
 
 from shardserve.protocol import MeshStatus, MethodStatus, ServableStatus
 from shardserve_scheduler.catalog import Catalog, ServableEntry, VersionEntry
-from shardserve_scheduler.registry import Registry
+from shardserve_scheduler.jobs import VersionStats
+from shardserve_scheduler.registry import GroupState, Registry
 
-InflightOf = Callable[[str, int], int]
+VersionState = Literal["loading", "available", "unloading", "failed"]
+
+
+class LoadView(Protocol):
+    """What the status needs from the request machine."""
+
+    def inflight(self, servable: str, version: int) -> int: ...
+    def queued(self, servable: str, version: int) -> int: ...
+    def version_stats(self, servable: str, version: int) -> VersionStats: ...
 
 
 def mesh_status(
-    scheduler: str, catalog: Catalog, registry: Registry, inflight: InflightOf, now: float
+    scheduler: str,
+    catalog: Catalog,
+    registry: Registry,
+    load: LoadView,
+    now: float,
+    *,
+    dead_lettered: int = 0,
 ) -> MeshStatus:
     servables = [
-        _version_status(servable, entry, registry, inflight, now)
+        _version_status(servable, entry, catalog, registry, load, now)
         for servable in catalog.servables.values()
         for _, entry in sorted(servable.versions.items())
     ]
-    return MeshStatus(scheduler=scheduler, time=now, servables=tuple(servables))
+    return MeshStatus(
+        scheduler=scheduler, time=now, servables=tuple(servables), dead_lettered=dead_lettered
+    )
 
 
 def _version_status(
     servable: ServableEntry,
     entry: VersionEntry,
+    catalog: Catalog,
     registry: Registry,
-    inflight: InflightOf,
+    load: LoadView,
     now: float,
 ) -> ServableStatus:
     config = entry.group
     group = registry.group(config.servable, config.version)
     ranks = tuple(slot.status(now) for slot in group.slots) if group else ()
     problem = servable.problem or entry.problem
-    ready = bool(group and group.ready) and not problem
+    unloading = (config.servable, config.version) in catalog.unloading
+    ready = bool(group and group.ready) and not problem and not unloading
     reason = problem or (group.not_ready_reason() if group else "no group")
+    if unloading:
+        reason = f"{config.servable} v{config.version} is unloading"
     methods = (
         tuple(
             MethodStatus(name=m.name, inputs=m.inputs, outputs=m.outputs)
@@ -43,6 +65,7 @@ def _version_status(
         if not problem
         else ()
     )
+    stats = load.version_stats(config.servable, config.version)
     return ServableStatus(
         name=config.servable,
         version=config.version,
@@ -54,5 +77,19 @@ def _version_status(
         max_batch_size=config.max_batch_size,
         methods=methods,
         ranks=ranks,
-        inflight=inflight(config.servable, config.version),
+        inflight=load.inflight(config.servable, config.version),
+        queued=load.queued(config.servable, config.version),
+        requests_total=stats.requests_total,
+        errors_total=stats.errors_total,
+        batches_total=stats.batches_total,
+        batched_instances_total=stats.batched_instances_total,
+        state=_state(problem, unloading, ready, group),
     )
+
+
+def _state(problem: str, unloading: bool, ready: bool, group: GroupState | None) -> VersionState:
+    if problem:
+        return "failed"
+    if unloading:
+        return "unloading"
+    return "available" if ready or (group and group.was_complete) else "loading"

@@ -35,13 +35,14 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 from aio_pika.abc import AbstractIncomingMessage
-from aio_pika.exceptions import ChannelClosed
+from aio_pika.exceptions import AMQPError, ChannelClosed
 
 from shardserve.broker import Broker
 from shardserve.collective import CollectiveHub
-from shardserve.errors import ErrorCode
+from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
 from shardserve.program import Env
 from shardserve.protocol import (
@@ -82,6 +83,14 @@ def run_bindings(run: str, rank: int, stage: int) -> tuple[Binding, ...]:
     )
 
 
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 @dataclass(frozen=True)
 class Failure:
     rank: int
@@ -98,6 +107,7 @@ class RunMesh:
         self.group = group
         self.rank = rank
         self.stage = group.stage_of(rank)
+        self._url = broker_settings.url
         self._broker = Broker(broker_settings, f"run-{run}-r{rank}")
         self.hub = CollectiveHub(
             rank=rank, stage=self.stage.index, stage_ranks=self.stage.ranks, publish=self._part
@@ -110,7 +120,13 @@ class RunMesh:
 
     async def open(self) -> None:
         """Connect and declare this rank's queue (refused if the rank is already taken)."""
-        await self._broker.connect()
+        try:
+            await self._broker.connect()
+        except (OSError, AMQPError) as exc:
+            raise UnavailableError(
+                f"rank {self.rank}: cannot reach the message broker at "
+                f"{_without_password(self._url)}: {exc}"
+            ) from exc
         queue = run_queue(self.run, self.rank)
         try:
             await self._broker.declare(queue, run_bindings(self.run, self.rank, self.stage.index))

@@ -1,0 +1,162 @@
+"""The benchmark harness pieces on tiny inputs (no timing assertions, no broker)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from benchmarks import floor_server
+from benchmarks.bodies import binary_body, json_body, make_body
+from benchmarks.loadgen import LoadSpec, percentile, run_load, summarize
+from benchmarks.report import Ratio, compute_ratios, per_hop_ms, render, write_json
+from benchmarks.scenarios import SCENARIOS
+
+from shardserve.client.kserve import decode_response
+
+
+def test_percentile_interpolates_and_handles_edges() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    assert math.isnan(percentile([], 50))
+
+
+def test_summarize_orders_latencies() -> None:
+    result = summarize(4, [3.0, 1.0, 2.0], errors=1, elapsed_s=2.0, first_error="boom")
+    assert result.latencies_ms == [1.0, 2.0, 3.0]
+    assert result.p50_ms == 2.0
+    assert result.rps == pytest.approx(1.5)
+    data = result.to_json()
+    assert data["errors"] == 1 and "latencies_ms" not in data
+
+
+class FakeClock:
+    """Advances by a fixed step at every read, so run_load needs no real time."""
+
+    def __init__(self, step: float) -> None:
+        self.now = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+async def test_run_load_excludes_warmup_and_counts_errors() -> None:
+    calls = 0
+
+    async def call() -> bool:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0)
+        if calls % 5 == 0:
+            raise RuntimeError("every fifth fails")
+        return True
+
+    clock = FakeClock(0.01)
+    result = await run_load(call, LoadSpec(concurrency=3, duration_s=1.0, warmup_s=0.5), clock)
+    assert result.requests > 0
+    assert result.errors > 0
+    assert "every fifth fails" in result.first_error
+    assert result.requests + result.errors < calls  # the warm-up calls are not counted
+
+
+async def test_run_load_stops_at_max_requests() -> None:
+    async def call() -> bool:
+        await asyncio.sleep(0)
+        return True
+
+    spec = LoadSpec(concurrency=1, duration_s=1e9, warmup_s=0.0, max_requests=7)
+    result = await run_load(call, spec, FakeClock(0.001))
+    assert result.requests == 7
+
+
+def test_bodies_are_valid_kserve() -> None:
+    inputs = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    body = json.loads(json_body(inputs).data)
+    assert body["inputs"][0] == {
+        "name": "x",
+        "shape": [2, 3],
+        "datatype": "FP32",
+        "data": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+    }
+    binary = binary_body(inputs)
+    length = int(binary.headers["Inference-Header-Content-Length"])
+    header = json.loads(binary.data[:length])
+    assert header["inputs"][0]["parameters"]["binary_data_size"] == 24
+    assert binary.data[length:] == inputs["x"].tobytes()
+    with pytest.raises(ValueError):
+        make_body("xml", inputs)
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path) -> Path:
+    import onnx
+
+    from shardserve.export.matmul import reference_model
+
+    path = tmp_path / "matmul.onnx"
+    onnx.save(reference_model(), str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["json", "binary"])
+async def test_floor_server_answers_the_demo_model(tiny_model: Path, kind: str) -> None:
+    body = make_body(kind, {"x": np.ones((128, 96), dtype=np.float32)})
+    async with TestClient(TestServer(floor_server.create_app(tiny_model))) as client:
+        assert (await client.get("/v2/health/ready")).status == 200
+        response = await client.post(
+            "/v2/models/matmul/infer", data=body.data, headers=body.headers
+        )
+        assert response.status == 200
+        payload = await response.read()
+        outputs = decode_response(payload, response.headers.get("Inference-Header-Content-Length"))
+    np.testing.assert_allclose(outputs["y"], np.full((128, 16), -48.0, dtype=np.float32))
+
+
+def test_ratios_from_results() -> None:
+    results = {
+        "floor.json.c1": {"rps": 100.0, "p50_ms": 2.0, "requests": 10},
+        "floor.json.c32": {"rps": 200.0, "p50_ms": 20.0, "requests": 10},
+        "mesh1.json.c1": {"rps": 80.0, "p50_ms": 4.0, "requests": 10},
+        "mesh1.json.c32": {"rps": 180.0, "p50_ms": 25.0, "requests": 10},
+        "broker.c1": {"rps": 500.0, "p50_ms": 1.0, "requests": 10},
+        "memory": {
+            "matmul.r0": {"rss_mb": 50.0, "slice_mb": 0.1},
+            "mlp.r0": {"rss_mb": 120.0, "slice_mb": 64.0},
+        },
+    }
+    ratios = {r.name: r for r in compute_ratios(results)}
+    throughput = ratios["mesh rank1 JSON c32 / floor JSON c32 (req/s)"]
+    assert throughput.value == pytest.approx(0.9) and throughput.passed is True
+    assert ratios["mesh rank1 c1 p50 - floor c1 p50 (ms, JSON)"].value == pytest.approx(2.0)
+    assert per_hop_ms(results) == (pytest.approx(0.5), pytest.approx(0.5))
+    assert ratios["mesh cost per broker hop / raw one-hop"].value == pytest.approx(1.0)
+    assert ratios["agent (RSS - overhead) / slice weights"].value == pytest.approx(70 / 64)
+    assert ratios["TP8 JSON c32 / mesh rank1 JSON c32 (req/s)"].passed is None  # not measured
+    assert "n/a" in render(results, list(ratios.values()), ["a note"])
+
+
+def test_ratio_verdicts() -> None:
+    assert Ratio("a", 0.7, ">= 0.8", "").passed is False
+    assert Ratio("b", 1.0, "<= 1.5", "").passed is True
+    assert Ratio("c", None, "<= 1.5", "").passed is None
+
+
+def test_write_json(tmp_path: Path) -> None:
+    out = tmp_path / "results" / "abc.json"
+    write_json(out, {"x": {"rps": 1.0}}, compute_ratios({}), {"commit": "abc"})
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["commit"] == "abc"
+    assert doc["results"]["x"]["rps"] == 1.0
+    assert all(r["passed"] is None for r in doc["ratios"])
+
+
+def test_every_documented_scenario_is_registered() -> None:
+    expected = {"direct", "floor", "broker", "mesh1", "tp8", "pp16", "batching", "pipeline"}
+    assert expected | {"memory", "large", "cache"} == set(SCENARIOS)
