@@ -84,13 +84,28 @@ def matmul_repo(run: Run, rank_size: int, stage_size: int = 1) -> Path:
     )
 
 
-def mlp_repo(run: Run, rank_size: int = 1, stage_size: int = 1, **shape: int) -> Path:
+def mlp_repo(
+    run: Run,
+    rank_size: int = 1,
+    stage_size: int = 1,
+    *,
+    hidden: int = MLP_HIDDEN,
+    ffn: int = MLP_FFN,
+    layers: int = MLP_LAYERS,
+) -> Path:
     from shardserve.export.mlp import export_mlp
 
-    dims = {"hidden": MLP_HIDDEN, "ffn": MLP_FFN, "layers": MLP_LAYERS, **shape}
-    key = f"mlp-r{rank_size}-s{stage_size}-" + "-".join(f"{v}" for v in dims.values())
+    key = f"mlp-r{rank_size}-s{stage_size}-{hidden}-{ffn}-{layers}"
     return run.repo(
-        key, lambda out: export_mlp(out, rank_size=rank_size, stage_size=stage_size, **dims)
+        key,
+        lambda out: export_mlp(
+            out,
+            rank_size=rank_size,
+            stage_size=stage_size,
+            hidden=hidden,
+            ffn=ffn,
+            layers=layers,
+        ),
     )
 
 
@@ -332,8 +347,12 @@ def cache(run: Run) -> None:
     optimize + save) and again with the folder it filled (warm: load the saved graph)."""
     from shardserve.export.transformer import export_transformer
 
-    shape = {"layers": 4, "hidden": 256, "heads": 4, "vocab": 2048, "max_seq": 64}
-    repo = run.repo("transformer", lambda out: export_transformer(out, rank_size=2, **shape))
+    repo = run.repo(
+        "transformer",
+        lambda out: export_transformer(
+            out, rank_size=2, layers=4, hidden=256, heads=4, vocab=2048, max_seq=64
+        ),
+    )
     cache_dir = run.work / "compile-cache"
     env = {"SHARDSERVE_AGENT_CACHE_DIR": str(cache_dir)}
     for phase in ("cold", "warm"):

@@ -39,6 +39,7 @@ class FailoverConnection(RobustConnection):
             raise ValueError("FailoverConnection needs at least one URL")
         self._urls = [URL(u) for u in urls]
         self._index = start % len(self._urls)
+        self._last_attempt_failed = False
         super().__init__(self._urls[self._index], **kwargs)
 
     @property
@@ -59,8 +60,11 @@ class FailoverConnection(RobustConnection):
         _logger.warning("broker unreachable; next attempt goes to %s", _redacted(self.url))
 
     async def _RobustConnection__connect_transport(self) -> None:  # see ATTEMPT_HOOK
+        if self._last_attempt_failed:
+            self._advance()  # here, not on failure, so aio-pika's log names the failed URL
         try:
             await getattr(super(), ATTEMPT_HOOK)()
         except Exception:
-            self._advance()
+            self._last_attempt_failed = True
             raise
+        self._last_attempt_failed = False

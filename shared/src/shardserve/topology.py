@@ -17,7 +17,7 @@ Exchanges (type) -> routing key -> bound queues:
   every hello and heartbeat too);
   scheduler.hello, scheduler.status, instance.<instance>, group.<servable>.<version>
   -> per-agent and per-gateway exclusive queues
-- shardserve.dead (fanout) -> shardserve.dead-letters
+- shardserve.dead (fanout) -> shardserve.dead-letters.q1
 - the default exchange: <queue name> -> scheduler result queues
   (shardserve.scheduler.results.<scheduler id>), gateway reply queues,
   shardserve.scheduler.leader (the leadership token, see ``scheduler_leader_queue``)
@@ -47,7 +47,7 @@ REQUEST_QUEUE = "shardserve.requests.q1"
 SCHEDULER_CONTROL_QUEUE = "shardserve.scheduler.control"
 SCHEDULER_RESULT_QUEUE = "shardserve.scheduler.results"
 SCHEDULER_LEADER_QUEUE = "shardserve.scheduler.leader"
-DEAD_LETTER_QUEUE = "shardserve.dead-letters"
+DEAD_LETTER_QUEUE = "shardserve.dead-letters.q1"  # ".q1": quorum now (see REQUEST_QUEUE)
 
 KEY_AGENT_HELLO = "agent.hello"
 KEY_AGENT_HEARTBEAT = "agent.heartbeat"
@@ -99,10 +99,13 @@ _DEAD_LETTERED = {"x-dead-letter-exchange": DEAD_EXCHANGE}
 
 
 def dead_letter_queue() -> Queue:
+    """Bad messages, kept for inspection (oldest dropped past the limit). Quorum: a
+    durable classic queue whose node is down cannot even be redeclared (NOT_FOUND), which
+    would stop every scheduler reconnect to the surviving nodes of a cluster."""
     return Queue(
         DEAD_LETTER_QUEUE,
         durable=True,
-        arguments={"x-max-length": DEAD_LETTER_MAX_LENGTH, "x-queue-type": "classic"},
+        arguments={"x-max-length": DEAD_LETTER_MAX_LENGTH, "x-queue-type": "quorum"},
     )
 
 

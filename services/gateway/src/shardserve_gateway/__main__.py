@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
     """Run the HTTP server until ``stop`` is set, then drain and tear down."""
     app = create_app(settings)
-    runner = web.AppRunner(app, shutdown_timeout=settings.drain_seconds, access_log=None)
+    # auto_decompress off: bodies are inflated off the event loop, bounded (see body.py).
+    runner = web.AppRunner(
+        app, shutdown_timeout=settings.drain_seconds, access_log=None, auto_decompress=False
+    )
     await runner.setup()
     try:
         site = web.TCPSite(

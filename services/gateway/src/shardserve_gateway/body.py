@@ -1,15 +1,21 @@
 """Reading a request body within the size limit, after decompression.
 
-aiohttp decompresses gzip/deflate bodies as they stream in and ``request.read()`` stops
-with 413 as soon as the *decompressed* size passes ``client_max_size``, so a gzip bomb
-costs at most the limit in memory. A declared ``Content-Length`` above the limit is
-refused before reading anything.
+The server runs with aiohttp's ``auto_decompress`` off: aiohttp inflates on the event
+loop as bytes arrive (and keeps inflating the unread rest of a refused body), so a 256 KiB
+gzip bomb froze the gateway for seconds (found by ``shardserve chaos``, bad-http). Here
+the compressed body is read (bounded by ``client_max_size``) and inflated in a thread, at
+most ``limit + 1`` bytes. A declared ``Content-Length`` above the limit is refused before
+reading anything.
 """
 
 from __future__ import annotations
 
+import asyncio
+import zlib
+
 from aiohttp import web
 
+from shardserve.errors import BadInputError
 from shardserve_gateway.errors import PayloadTooLargeError, UnsupportedEncodingError
 
 ACCEPTED_ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
@@ -29,6 +35,33 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     if declared is not None and declared > limit:
         raise PayloadTooLargeError(limit)
     try:
-        return await request.read()
+        raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLargeError(limit) from None
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if not _still_compressed(raw, encoding):  # identity, or inflated by aiohttp already
+        return raw
+    return await asyncio.to_thread(inflate, raw, encoding, limit)
+
+
+def _still_compressed(raw: bytes, encoding: str) -> bool:
+    if encoding in ("gzip", "x-gzip"):
+        return raw[:2] == b"\x1f\x8b"
+    return (
+        encoding == "deflate"
+        and len(raw) >= 2
+        and (raw[0] & 0x0F) == 8
+        and ((raw[0] << 8) | raw[1]) % 31 == 0
+    )
+
+
+def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    """Decompress at most ``limit`` bytes; more is PayloadTooLargeError."""
+    wbits = 16 + zlib.MAX_WBITS if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS
+    try:
+        out = zlib.decompressobj(wbits).decompress(raw, limit + 1)
+    except zlib.error as exc:
+        raise BadInputError(f"request body is not valid {encoding}: {exc}") from None
+    if len(out) > limit:
+        raise PayloadTooLargeError(limit)
+    return out

@@ -247,7 +247,10 @@ class SchedulerService:
     async def _drain(self) -> None:
         """Stop taking requests; give open ones --drain-seconds; refuse the rest."""
         if self._request_consumer:
-            await self.broker.cancel(self._request_consumer)
+            try:
+                await self.broker.cancel(self._request_consumer)
+            except Exception as exc:  # broker gone: nothing more will be delivered anyway
+                _logger.warning("could not cancel the request consumer: %s", exc)
         open_now = self.machine.open_requests
         _logger.info(
             "draining: %d request(s) open, waiting up to %g s",
