@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import aio_pika
 import msgpack
+import numpy as np
 
 from shardserve import codec, topology
 from shardserve.protocol import InferRequest
@@ -25,7 +26,7 @@ def request_without_reply_to() -> bytes:
     request = InferRequest(
         id="chaos-no-reply-to",
         servable="matmul",
-        instances=({"x": Tensor(dtype="FP32", shape=(1,), data=b"\0\0\0\0")},),
+        instances=({"x": Tensor.from_numpy(np.zeros((1,), np.float32))},),
         deadline=time.time() + 30,
     )
     return codec.encode(request)

@@ -118,7 +118,10 @@ async def _run_all(mesh: ChaosMesh, scenarios: Sequence[str], pace: Pace) -> lis
             print(f"{name}: mesh not ready\n{mesh.log_tail()}", file=sys.stderr, flush=True)
             continue
         print(f"--- {name}", file=sys.stderr, flush=True)
-        report = await SCENARIOS[name](ctx)
+        try:
+            report = await SCENARIOS[name](ctx)
+        except Exception as exc:  # a broken scenario must not hide the others' figures
+            report = ScenarioReport(name, recovered=False, problems=[f"scenario crashed: {exc!r}"])
         print(format_report(report), file=sys.stderr, flush=True)
         reports.append(report)
     return reports
