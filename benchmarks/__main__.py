@@ -59,6 +59,15 @@ def main(argv: list[str] | None = None) -> int:
                 failures[name] = f"{type(exc).__name__}: {exc}"
                 run.notes.append(f"scenario {name} failed: {failures[name][:500]}")
                 print(f"  {name} FAILED: {failures[name][:2000]}", flush=True)
+    busiest = max(
+        (v.get("loadavg_1m", 0.0) for v in run.results.values() if isinstance(v, dict)),
+        default=0.0,
+    )
+    if busiest > (os.cpu_count() or 1):
+        run.notes.append(
+            f"1-minute load average reached {busiest} on {os.cpu_count()} CPUs: other work "
+            "shared the machine; absolute figures (and ratios across scenarios) are unreliable"
+        )
     ratios = compute_ratios(run.results)
     print(render(run.results, ratios, run.notes))
     meta = {

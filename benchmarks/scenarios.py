@@ -10,6 +10,8 @@ large tensors, the transformer for the compile cache).
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,7 +59,10 @@ class Run:
         return LoadSpec(concurrency, duration * scale, warmup)
 
     def record(self, key: str, result: LoadResult, **meta: Any) -> None:
-        self.results[key] = {**result.to_json(), **meta}
+        # The 1-minute load average after the measurement: above the CPU count, other
+        # work shared the machine and the absolute figures (not only ratios) suffer.
+        load = round(os.getloadavg()[0], 2)
+        self.results[key] = {**result.to_json(), **meta, "loadavg_1m": load}
         rps = f"{result.rps:9.1f} req/s"
         lat = f"p50 {result.p50_ms:8.2f} ms  p99 {result.p99_ms:8.2f} ms"
         err = f"  errors {result.errors} ({result.first_error[:120]})" if result.errors else ""
@@ -359,13 +364,29 @@ def cache(run: Run) -> None:
         with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
             ranks = mesh.ranks("transformer")
             loads = [float(r.get("load_ms") or 0.0) for r in ranks]
+            logged = loaded_from_log(mesh.process.log_tail(400))
+            if not all(loads) and logged:
+                loads = [ms for ms, _ in logged]
             run.results[f"cache.{phase}"] = {
                 "load_ms_per_rank": [round(v, 1) for v in loads],
                 "load_ms_max": round(max(loads, default=0.0), 1),
-                "cache": sorted({str(r.get("cache", "?")) for r in ranks}),
+                "cache": sorted({str(r.get("cache", "?")) for r in ranks} | {c for _, c in logged}),
                 "mesh_ready_s": round(mesh.ready_s, 2),
             }
         print(f"  cache.{phase:<22} {run.results[f'cache.{phase}']}", flush=True)
+
+
+_LOADED = re.compile(r"slice loaded: .*compile cache (\w+).* (\d+(?:\.\d+)?) ms$")
+
+
+def loaded_from_log(text: str) -> list[tuple[float, str]]:
+    """(load ms, cache outcome) of every "slice loaded" line an agent logged."""
+    found = []
+    for line in text.splitlines():
+        match = _LOADED.search(line)
+        if match:
+            found.append((float(match.group(2)), match.group(1)))
+    return found
 
 
 SCENARIOS: dict[str, Callable[[Run], None]] = {

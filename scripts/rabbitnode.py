@@ -175,4 +175,3 @@ class RabbitNode:
             if path.exists():
                 texts.extend(path.read_text(errors="replace").splitlines()[-lines:])
         return "\n".join(texts[-lines:])
-

@@ -131,9 +131,7 @@ def test_gateways_are_replicated_and_probed_on_real_routes() -> None:
         port = get["port"]
         assert (ports[port] if isinstance(port, str) else port) == args.http_port
     [service] = [s for s in _by_kind("Service") if s["metadata"]["name"] == "shardserve-gateway"]
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports) | set(
-        ports.values()
-    )
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports) | set(ports.values())
 
 
 def _gateway_get_routes(args: argparse.Namespace) -> set[str]:

@@ -217,7 +217,11 @@ class SchedulerService:
         while True:
             await self._token_arrived.wait()
             self._token_arrived.clear()
-            if not self.active and not self._closing:
+            if self._closing:
+                continue
+            # A token redelivered after a reconnect may beat the tick's step-down.
+            self._check_leadership()
+            if not self.active:
                 await self._become_active()
 
     async def _become_active(self) -> None:
