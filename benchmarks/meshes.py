@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -45,8 +46,16 @@ def with_vhost(url: str, vhost: str) -> str:
     return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
 
 
-def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+def _rabbitmqctl(*args: str, attempts: int = 3) -> None:
+    """Run rabbitmqctl; retried, because a busy node sometimes refuses a fresh vhost once."""
+    for attempt in range(1, attempts + 1):
+        done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, timeout=60)
+        if done.returncode == 0:
+            return
+        if attempt == attempts:
+            error = done.stderr.decode(errors="replace").strip()
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {error}")
+        time.sleep(1.0)
 
 
 @contextmanager
@@ -60,8 +69,8 @@ def dedicated_vhost(url: str | None = None) -> Iterator[str]:
     vhost = f"shardserve-bench-{uuid.uuid4().hex[:10]}"
     _rabbitmqctl("add_vhost", vhost)
     user = urlsplit(url).username or "guest"
-    _rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
     try:
+        _rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
         yield with_vhost(url, vhost)
     finally:
         _rabbitmqctl("delete_vhost", vhost)
@@ -227,3 +236,53 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process (all its threads) has used so far, 0 if gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    # After the command name: state is field 3, utime 14 and stime 15 (1-based, man proc).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def service_pids(up_pid: int) -> dict[str, int]:
+    """The gateway/scheduler/agent children of a ``shardserve up`` process, by module."""
+    out = subprocess.run(
+        ["ps", "--ppid", str(up_pid), "-o", "pid=,args="], capture_output=True, text=True
+    ).stdout
+    pids: dict[str, int] = {}
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        match = re.search(r"-m shardserve_(\w+)(?:.*--rank (\d+))?", args)
+        if match:
+            name = match.group(1) + (f".r{match.group(2)}" if match.group(2) else "")
+            pids[name] = int(pid)
+    return pids
+
+
+def broker_pid(port: int = 5672) -> int | None:
+    """The process listening on the AMQP port (RabbitMQ's beam.smp), if visible."""
+    out = subprocess.run(
+        ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True
+    ).stdout
+    match = re.search(r"pid=(\d+)", out)
+    return int(match.group(1)) if match else None
+
+
+class CpuMeter:
+    """CPU milliseconds used by a set of processes between ``start`` and ``per_request``."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self._before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+
+    def per_request(self, requests: int) -> dict[str, float]:
+        if requests <= 0:
+            return {}
+        return {
+            name: round((cpu_seconds(pid) - self._before[name]) * 1000.0 / requests, 3)
+            for name, pid in self.pids.items()
+        }

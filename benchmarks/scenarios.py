@@ -25,7 +25,16 @@ import onnxruntime as ort
 from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
 from benchmarks.broker_hop import Requester
 from benchmarks.loadgen import LoadResult, LoadSpec, load_http, run_load, summarize
-from benchmarks.meshes import Mesh, free_port, rss_bytes, running_mesh, running_module
+from benchmarks.meshes import (
+    CpuMeter,
+    Mesh,
+    broker_pid,
+    free_port,
+    rss_bytes,
+    running_mesh,
+    running_module,
+    service_pids,
+)
 
 MATMUL_IN_BYTES = 128 * 96 * 4
 MATMUL_OUT_BYTES = 128 * 16 * 4
@@ -131,18 +140,44 @@ def matmul_reference(run: Run) -> Path:
 # ---------------------------------------------------------------- helpers
 
 
-def http_load(run: Run, key: str, url: str, body: Body, concurrency: int) -> LoadResult:
+def http_load(
+    run: Run,
+    key: str,
+    url: str,
+    body: Body,
+    concurrency: int,
+    pids: dict[str, int] | None = None,
+) -> LoadResult:
+    """One load point; with ``pids``, also the CPU ms each process spent per request
+    (warm-up included in the CPU, so a slight overestimate)."""
+    meter = CpuMeter({**(pids or {}), "loadgen": os.getpid()})
     result = asyncio.run(load_http(url, body.data, body.headers, run.spec(concurrency)))
-    run.record(key, result, body_bytes=len(body.data), body=body.kind)
+    cpu = meter.per_request(result.requests) if pids else {}
+    run.record(key, result, body_bytes=len(body.data), body=body.kind, cpu_ms_per_request=cpu)
+    if cpu:
+        print(f"    cpu ms/request: {cpu}", flush=True)
     return result
 
 
 def load_matrix(
-    run: Run, prefix: str, url: str, points: list[tuple[str, int]], inputs: dict[str, np.ndarray]
+    run: Run,
+    prefix: str,
+    url: str,
+    points: list[tuple[str, int]],
+    inputs: dict[str, np.ndarray],
+    pids: dict[str, int] | None = None,
 ) -> None:
     """Measure every (body kind, concurrency) point against one URL."""
     for kind, concurrency in points:
-        http_load(run, f"{prefix}.{kind}.c{concurrency}", url, make_body(kind, inputs), concurrency)
+        body = make_body(kind, inputs)
+        http_load(run, f"{prefix}.{kind}.c{concurrency}", url, body, concurrency, pids)
+
+
+def mesh_pids(mesh: Mesh) -> dict[str, int]:
+    """The mesh's service processes plus the broker, for CPU accounting."""
+    pids = service_pids(mesh.process.pid)
+    rabbit = broker_pid()
+    return {**pids, "rabbitmq": rabbit} if rabbit else pids
 
 
 def full_points(run: Run) -> list[tuple[str, int]]:
@@ -180,9 +215,10 @@ def floor(run: Run) -> None:
     port = free_port()
     args = ["--model", str(matmul_reference(run)), "--port", str(port)]
     ready = f"http://127.0.0.1:{port}/v2/health/ready"
-    with running_module("benchmarks.floor_server", args, run.logs, ready, {}):
+    with running_module("benchmarks.floor_server", args, run.logs, ready, {}) as server:
         url = f"http://127.0.0.1:{port}/v2/models/matmul/infer"
-        load_matrix(run, "floor", url, full_points(run), matmul_input())
+        pids = {"floor": server.pid}
+        load_matrix(run, "floor", url, full_points(run), matmul_input(), pids)
 
 
 def broker(run: Run) -> None:
@@ -210,7 +246,8 @@ def mesh1(run: Run) -> None:
     """The mesh at rank_size 1 (matmul), JSON and binary, 1 and 32 clients."""
     with running_mesh(matmul_repo(run, 1), run.amqp_url, run.logs) as mesh:
         run.results["mesh1.ready_s"] = round(mesh.ready_s, 2)
-        load_matrix(run, "mesh1", mesh.infer_url("matmul"), full_points(run), matmul_input())
+        url = mesh.infer_url("matmul")
+        load_matrix(run, "mesh1", url, full_points(run), matmul_input(), mesh_pids(mesh))
 
 
 def tp8(run: Run) -> None:
@@ -218,7 +255,8 @@ def tp8(run: Run) -> None:
     points = [("json", 32), ("binary", 32)] + ([] if run.quick else [("json", 1)])
     with running_mesh(matmul_repo(run, 8), run.amqp_url, run.logs) as mesh:
         run.results["tp8.ready_s"] = round(mesh.ready_s, 2)
-        load_matrix(run, "tp8", mesh.infer_url("matmul"), points, matmul_input())
+        url = mesh.infer_url("matmul")
+        load_matrix(run, "tp8", url, points, matmul_input(), mesh_pids(mesh))
 
 
 def pp16(run: Run) -> None:
@@ -243,7 +281,8 @@ def batching(run: Run) -> None:
     }
     for name, env in variants.items():
         with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
-            http_load(run, f"mlp.{name}.c{BATCH_CLIENTS}", mesh.infer_url("mlp"), body, 32)
+            key = f"mlp.{name}.c{BATCH_CLIENTS}"
+            http_load(run, key, mesh.infer_url("mlp"), body, BATCH_CLIENTS, mesh_pids(mesh))
             run.results[f"mlp.{name}.batches"] = _batch_counters(mesh, "mlp")
 
 

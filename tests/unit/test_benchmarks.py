@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -174,3 +175,41 @@ def test_write_json(tmp_path: Path) -> None:
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "broker", "mesh1", "tp8", "pp16", "batching", "pipeline"}
     assert expected | {"memory", "large", "cache"} == set(SCENARIOS)
+
+
+def test_cpu_meter_counts_this_process() -> None:
+    from benchmarks.meshes import CpuMeter, cpu_seconds
+
+    meter = CpuMeter({"me": os.getpid()})
+    total = 0
+    for i in range(300_000):  # burn a little CPU so the counter moves by a tick
+        total += i * i
+    assert total > 0
+    assert cpu_seconds(os.getpid()) > 0
+    assert meter.per_request(0) == {}
+    assert set(meter.per_request(10)) == {"me"}
+
+
+def test_py_spy_collapsed_stacks_are_summarized() -> None:
+    from benchmarks.profile import parse_collapsed, summarize_profile
+
+    text = (
+        "main (app.py:1);decode_request (kserve_codec.py:9);loads (__init__.py:3) 6\n"
+        "main (app.py:1);publish_raw (broker.py:5) 4\n"
+    )
+    total, inclusive, leaves = parse_collapsed(text)
+    assert total == 10
+    assert inclusive[("decode_request", "kserve_codec.py")] == 6
+    assert leaves["publish_raw (broker.py)"] == 4
+    lines = summarize_profile("gateway", text, seconds=1.0, rate=100)
+    assert any("60.0%  decode_request" in line for line in lines)
+
+
+def test_agent_load_lines_are_parsed() -> None:
+    from benchmarks.scenarios import loaded_from_log
+
+    line = (
+        "[agent t r1] ... rank 1 slice loaded: 9 segment(s), 9.1 MB on disk, "
+        "compile cache miss (standard), 0 shared weight(s) of 0.0 MB, 281 ms"
+    )
+    assert loaded_from_log(f"noise\n{line}\n") == [(281.0, "miss")]

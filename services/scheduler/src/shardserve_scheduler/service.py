@@ -144,7 +144,6 @@ class SchedulerService:
         self.active = False
         self._token: AbstractIncomingMessage | None = None
         self._token_arrived = asyncio.Event()
-        self._active_epoch = -1  # broker.reconnects when we became active
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,31 +218,39 @@ class SchedulerService:
             self._token_arrived.clear()
             if self._closing:
                 continue
-            # A token redelivered after a reconnect may beat the tick's step-down.
-            self._check_leadership()
-            if not self.active:
-                await self._become_active()
+            if self.active:
+                # We never ack the token, so a new delivery means the channel that held
+                # it died (a reconnect): our old leadership ended with it.
+                self._step_down("the scheduler's broker channel was replaced")
+            while not self.broker.healthy:  # noqa: ASYNC110 - a flag set by aio-pika callbacks
+                await asyncio.sleep(TICK_SECONDS / 2)  # (the token may beat the restore)
+            await self._become_active()
 
     async def _become_active(self) -> None:
         self.active = True
-        self._active_epoch = self.broker.reconnects
         _logger.info("scheduler %s is now the active scheduler", self.settings.scheduler_id)
         hello = SchedulerHello(scheduler=self.settings.scheduler_id)
-        await self.broker.publish(topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_HELLO, hello)
+        try:
+            await self.broker.publish(
+                topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_HELLO, hello
+            )
+        except InferenceError as exc:  # agents still re-register on the next reconnect
+            _logger.warning("could not say hello to the agents: %s", exc)
         self._request_consumer = await self.broker.consume(
             topology.REQUEST_QUEUE, self._on_request, prefetch=REQUEST_PREFETCH
         )
         self._status_changed.set()
 
     def _check_leadership(self) -> None:
-        """A reconnect means the broker requeued our token (maybe to a standby): step down."""
-        if not self.active or self.broker.reconnects == self._active_epoch:
-            return
+        """Connection lost: the broker requeues our token (maybe to a standby): step down."""
+        if self.active and not self.broker.healthy:
+            self._step_down("the scheduler lost its broker connection")
+
+    def _step_down(self, why: str) -> None:
         self.active = False
         self._token = None
-        message = "the scheduler lost its broker connection; request outcome unknown, retry"
-        _logger.warning("broker connection was lost: stepping down; failing open requests")
-        self._emit(self.machine.shutdown(message, self.clock()))
+        _logger.warning("%s: stepping down; failing open requests", why)
+        self._emit(self.machine.shutdown(f"{why}; request outcome unknown, retry", self.clock()))
         consumer, self._request_consumer = self._request_consumer, ""
         if consumer:
             self._outbox.put_nowait(_CancelConsumer(consumer))

@@ -1,0 +1,145 @@
+"""Where a mesh request's CPU goes, per service: py-spy on every process under load.
+
+    .venv/bin/pip install py-spy   # a profiling tool, not a dependency of shardserve
+    python -m benchmarks.profile [--body json|binary] [--clients 32] [--seconds 12]
+
+Starts the rank-1 matmul mesh on a dedicated vhost, attaches ``py-spy record`` (raw
+collapsed stacks, 100 Hz) to the gateway, the scheduler and the agent, drives the load,
+then prints per service the share of samples (busy time) spent in the functions that
+matter: inclusive percentages of a fixed list of hot-path frames, and the top leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.bodies import make_body, matmul_input
+from benchmarks.loadgen import LoadSpec, load_http
+from benchmarks.meshes import dedicated_vhost, running_mesh, service_pids
+
+# Frames whose inclusive share answers "where does the time go" (function name, file).
+HOT_FRAMES = (
+    ("decode_request", "kserve_codec.py"),
+    ("loads", "__init__.py"),
+    ("encode_response", "kserve_codec.py"),
+    ("dumps", "__init__.py"),
+    ("encode", "codec.py"),
+    ("decode", "codec.py"),
+    ("digest_tensors", "tensors.py"),
+    ("publish_raw", "broker.py"),
+    ("__init__", "message.py"),
+    ("_dispatch", "broker.py"),
+    ("on_result", "requests.py"),
+    ("accept", "requests.py"),
+    ("resolve", "resolve.py"),
+    ("run_stage", "program.py"),
+    ("run", "program.py"),
+    ("to_thread", "threads.py"),
+    ("write", "selector_events.py"),
+    ("select", "selectors.py"),
+)
+_FRAME = re.compile(r"^(?P<func>.+?) \((?P<file>[^():]+)(?::\d+)?\)$")
+
+
+def parse_collapsed(text: str) -> tuple[int, Counter[tuple[str, str]], Counter[str]]:
+    """(samples, inclusive counts per (function, file name), leaf counts) of py-spy raw output."""
+    total = 0
+    inclusive: Counter[tuple[str, str]] = Counter()
+    leaves: Counter[str] = Counter()
+    for line in text.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        total += count
+        frames = [_frame(f) for f in stack.split(";")]
+        for frame in set(frames):
+            inclusive[frame] += count
+        leaves[f"{frames[-1][0]} ({frames[-1][1]})"] += count
+    return total, inclusive, leaves
+
+
+def _frame(text: str) -> tuple[str, str]:
+    match = _FRAME.match(text.strip())
+    if not match:
+        return text.strip(), ""
+    return match.group("func"), Path(match.group("file")).name
+
+
+def summarize_profile(name: str, text: str, seconds: float, rate: int) -> list[str]:
+    total, inclusive, leaves = parse_collapsed(text)
+    busy = 100.0 * total / max(seconds * rate, 1)
+    lines = [f"== {name}: {total} samples, busy {busy:.0f}% of one core"]
+    for func, file in HOT_FRAMES:
+        count = sum(v for (f, fl), v in inclusive.items() if f.endswith(func) and fl == file)
+        if count:
+            lines.append(f"  {100.0 * count / total:5.1f}%  {func} ({file})")
+    lines.append("  top leaves:")
+    for leaf, count in leaves.most_common(8):
+        lines.append(f"  {100.0 * count / total:5.1f}%  {leaf}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile")
+    parser.add_argument("--body", choices=("json", "binary"), default="json")
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    args = parser.parse_args(argv)
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(py_spy).exists():
+        print("py-spy is not installed: .venv/bin/pip install py-spy", file=sys.stderr)
+        return 2
+    from shardserve.export.matmul import export_matmul
+
+    work = Path(tempfile.mkdtemp(prefix="shardserve-profile-"))
+    export_matmul(work / "repo", rank_size=1)
+    (work / "logs").mkdir()
+    with dedicated_vhost() as url, running_mesh(work / "repo", url, work / "logs") as mesh:
+        pids = service_pids(mesh.process.pid)
+        spies = {
+            name: subprocess.Popen(
+                [
+                    py_spy,
+                    "record",
+                    "-p",
+                    str(pid),
+                    "-d",
+                    str(int(args.seconds)),
+                    "-r",
+                    str(args.rate),
+                    "-f",
+                    "raw",
+                    "--nonblocking",
+                    "-o",
+                    str(work / f"{name}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for name, pid in pids.items()
+        }
+        body = make_body(args.body, matmul_input())
+        spec = LoadSpec(args.clients, args.seconds - 1.0, 0.5)
+        result = asyncio.run(load_http(mesh.infer_url("matmul"), body.data, body.headers, spec))
+        for spy in spies.values():
+            spy.wait()
+    print(f"load (under py-spy): {result.to_json()}")
+    for name in spies:
+        text = (work / f"{name}.txt").read_text() if (work / f"{name}.txt").exists() else ""
+        print("\n".join(summarize_profile(name, text, args.seconds, args.rate)))
+    print(f"raw profiles: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Broker failover: the hook into aio-pika's one reconnect path, and URL rotation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aio_pika.robust_connection import RobustConnection
+
+from shardserve import topology
+from shardserve.failover import ATTEMPT_HOOK, FailoverConnection
+
+
+def test_aio_pika_still_has_the_per_attempt_hook() -> None:
+    # If an upgrade renames it, failover would silently stick to one broker.
+    assert callable(getattr(RobustConnection, ATTEMPT_HOOK))
+    assert ATTEMPT_HOOK in FailoverConnection.__dict__
+
+
+async def test_each_failed_attempt_moves_to_the_next_url() -> None:
+    urls = [
+        "amqp://u:p@127.0.0.1:1/?heartbeat=5",
+        "amqps://u:p@127.0.0.2:2/?heartbeat=7",
+        "amqp://u:p@127.0.0.3:3/",
+    ]
+    connection = FailoverConnection(urls, start=1, reconnect_interval=0.01)
+    seen = [connection.url.port]
+    for _ in range(3):
+        connection._advance()
+        seen.append(connection.url.port)
+    assert seen == [2, 3, 1, 2]
+    assert "reconnect_interval" not in connection.kwargs
+    assert connection.reconnect_interval == 0.01
+    assert "***" in connection.current_url and ":p@" not in connection.current_url
+    await asyncio.sleep(0)
+
+
+def test_request_and_leader_queues_are_quorum_single_active_consumer() -> None:
+    for queue in (topology.request_queue(), topology.scheduler_leader_queue()):
+        assert queue.durable and not queue.exclusive and not queue.auto_delete
+        assert queue.arguments["x-queue-type"] == "quorum"
+        assert queue.arguments["x-single-active-consumer"] is True
+    request = topology.request_queue().arguments
+    assert request["x-overflow"] == "reject-publish" and request["x-max-length"] > 0
+    assert topology.REQUEST_QUEUE != topology.REQUESTS_EXCHANGE
+
+
+def test_each_scheduler_has_its_own_control_and_result_queue() -> None:
+    a, b = topology.scheduler_control_queue("a"), topology.scheduler_control_queue("b")
+    assert a.name != b.name and a.exclusive and a.auto_delete
+    assert {x.queue for x in topology.scheduler_bindings("a")} >= {a.name}
+    assert topology.scheduler_result_queue("a").name != topology.scheduler_result_queue("b").name
