@@ -164,3 +164,20 @@ def test_choose_timeout() -> None:
             choose_timeout(bad, None, default_s=30, max_s=300)
     with pytest.raises(Exception, match="timeout_ms"):
         choose_timeout(None, "soon", default_s=30, max_s=300)
+
+
+async def test_requests_beyond_the_inflight_limit_are_refused_at_once() -> None:
+    """A flood is answered 503 (overloaded) immediately instead of queueing to its deadline."""
+    broker = StandInBroker()
+    dispatcher = AmqpDispatcher(broker, "gw-1", max_inflight=2)  # type: ignore[arg-type]
+    await dispatcher.start()
+    waiting = [asyncio.create_task(dispatcher.call(request())) for _ in range(2)]
+    while len(broker.published) < 2:
+        await asyncio.sleep(0)
+    with pytest.raises(OverloadedError, match="2 requests in flight"):
+        await dispatcher.call(request())
+    assert dispatcher.refused_overload == 1
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert dispatcher.inflight == 0

@@ -57,7 +57,7 @@ def create_app(
     app[TIMESERIES_KEY] = TimeSeries()
     if dispatcher is None:
         broker = Broker(settings.broker, name=settings.gateway_id)
-        amqp = AmqpDispatcher(broker, settings.gateway_id)
+        amqp = AmqpDispatcher(broker, settings.gateway_id, max_inflight=settings.max_inflight)
         app[MESH_VIEW_KEY].add_scheduler_listener(amqp.scheduler_seen)
         app[BROKER_KEY] = broker
         app[DISPATCHER_KEY] = amqp

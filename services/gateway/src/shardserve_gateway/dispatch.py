@@ -79,9 +79,14 @@ class AmqpDispatcher:
     """The real dispatcher: one reply queue, one future per in-flight correlation id."""
 
     def __init__(
-        self, broker: Broker, owner: str, wall_clock: Callable[[], float] = time.time
+        self,
+        broker: Broker,
+        owner: str,
+        wall_clock: Callable[[], float] = time.time,
+        max_inflight: int = 256,
     ) -> None:
         self._broker = broker
+        self._max_inflight = max_inflight
         self._queue = topology.reply_queue(owner)
         self._wall_clock = wall_clock
         self._pending: dict[str, _Pending] = {}
@@ -89,6 +94,7 @@ class AmqpDispatcher:
         self._scheduler: str | None = None
         self.late_replies = 0
         self.failed_early = 0
+        self.refused_overload = 0
 
     @property
     def available(self) -> bool:
@@ -151,6 +157,12 @@ class AmqpDispatcher:
         remaining = request.deadline - self._wall_clock()
         if remaining <= 0:
             raise DeadlineError("deadline exceeded before the request was sent")
+        if len(self._pending) >= self._max_inflight:
+            # Refuse at once: beyond this bound a flood would only queue up to its deadline.
+            self.refused_overload += 1
+            raise OverloadedError(
+                f"gateway has {self._max_inflight} requests in flight (its limit); retry later"
+            )
         correlation_id = uuid.uuid4().hex
         future: asyncio.Future[InferReply] = asyncio.get_running_loop().create_future()
         self._pending[correlation_id] = _Pending(future, self._scheduler)

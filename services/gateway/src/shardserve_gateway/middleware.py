@@ -78,7 +78,8 @@ async def translate_errors(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except InferenceError as exc:
         _log_error(exc.status, exc.message)
-        return _error(request, exc.status, exc.message, exc.code)
+        retry = {"Retry-After": "1"} if exc.code == ErrorCode.OVERLOADED else None
+        return _error(request, exc.status, exc.message, exc.code, headers=retry)
     except HttpError as exc:
         _log_error(exc.status, exc.message)
         return _error(request, exc.status, exc.message, headers=exc.headers)

@@ -60,6 +60,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         default=float(_env(env, "MAX_BODY_MB", "64")),
         help="largest request body accepted, after decompression (MiB)",
     )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=int(_env(env, "MAX_INFLIGHT", "256")),
+        help="requests this gateway keeps in flight; beyond it, 503 + Retry-After at once",
+    )
     p.add_argument("--drain-seconds", type=float, default=float(_env(env, "DRAIN_SECONDS", "10")))
     p.add_argument("--tokens-file", default=_env(env, "TOKENS_FILE", "") or None)
     p.add_argument(
@@ -96,6 +102,7 @@ class GatewaySettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     status_stale_s: float = 3.0
+    max_inflight: int = 256
     gateway_id: str = field(default_factory=lambda: default_gateway_id())
     log_level: str | None = None
     broker: BrokerSettings = field(default_factory=BrokerSettings)
@@ -126,6 +133,7 @@ class GatewaySettings:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             status_stale_s=args.status_stale_seconds,
+            max_inflight=max(1, args.max_inflight),
             gateway_id=args.gateway_id or default_gateway_id(),
             log_level=args.log_level,
             broker=BrokerSettings.from_env(dict(env)),
