@@ -13,5 +13,11 @@ Modules, one concept each:
 - ``broker_hop``: the broker limit, a raw request/reply over RabbitMQ with aio-pika;
 - ``meshes``: real meshes (``shardserve up``) on a dedicated RabbitMQ vhost;
 - ``scenarios``: what is measured, one function per named scenario;
-- ``report``: the ratios against their targets, the table, the JSON file.
+- ``report``: the ratios against their targets, the table, the JSON file;
+- ``profile`` (``python -m benchmarks.profile``): py-spy on every service of a rank-1 mesh
+  under load, summarized per service (py-spy is installed separately);
+- ``agent_memory`` (``python -m benchmarks.agent_memory``): agent memory experiments.
+
+Every mesh load point also records the CPU milliseconds each process (gateway,
+scheduler, agents, RabbitMQ, the load generator) spent per request, from /proc.
 """

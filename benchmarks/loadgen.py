@@ -42,6 +42,7 @@ class LoadResult:
     p99_ms: float
     mean_ms: float
     first_error: str = ""
+    calls_total: int = 0  # every completed call, warm-up included (for CPU accounting)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
     @property
@@ -98,6 +99,7 @@ class _Recorder:
         self.measure_from = self.start + spec.warmup_s
         self.stop_at = self.measure_from + spec.duration_s
         self.latencies_ms: list[float] = []
+        self.calls_total = 0
         self.errors = 0
         self.first_error = ""
         self.last_end = self.measure_from
@@ -108,6 +110,7 @@ class _Recorder:
         return self.clock() < self.stop_at
 
     def record(self, began: float, ended: float, ok: bool, error: str = "") -> None:
+        self.calls_total += 1
         if ok and began < self.measure_from:
             return  # warm-up (a failure that ends inside the window still counts)
         if ended < self.measure_from:
@@ -140,9 +143,11 @@ async def run_load(
         for _ in range(spec.concurrency):
             tasks.create_task(_worker(call, recorder))
     elapsed = max(recorder.last_end - recorder.measure_from, 1e-9)
-    return summarize(
+    result = summarize(
         spec.concurrency, recorder.latencies_ms, recorder.errors, elapsed, recorder.first_error
     )
+    result.calls_total = recorder.calls_total
+    return result
 
 
 def http_session(concurrency: int) -> aiohttp.ClientSession:

@@ -149,10 +149,10 @@ def http_load(
     pids: dict[str, int] | None = None,
 ) -> LoadResult:
     """One load point; with ``pids``, also the CPU ms each process spent per request
-    (warm-up included in the CPU, so a slight overestimate)."""
+    (CPU over the whole run, warm-up included, divided by every call it made)."""
     meter = CpuMeter({**(pids or {}), "loadgen": os.getpid()})
     result = asyncio.run(load_http(url, body.data, body.headers, run.spec(concurrency)))
-    cpu = meter.per_request(result.requests) if pids else {}
+    cpu = meter.per_request(result.calls_total) if pids else {}
     run.record(key, result, body_bytes=len(body.data), body=body.kind, cpu_ms_per_request=cpu)
     if cpu:
         print(f"    cpu ms/request: {cpu}", flush=True)
