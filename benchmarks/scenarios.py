@@ -225,10 +225,16 @@ def broker(run: Run) -> None:
     """Raw request/reply over RabbitMQ (aio-pika) with the mesh's payload sizes."""
     queue = f"bench.hop.{free_port()}"
     args = ["--url", run.amqp_url, "--queue", queue, "--reply-bytes", str(MATMUL_OUT_BYTES)]
-    with running_module("benchmarks.broker_hop", args, run.logs, None, {}):
+    with running_module("benchmarks.broker_hop", args, run.logs, None, {}) as responder:
+        rabbit = broker_pid()
+        pids = {"responder": responder.pid, **({"rabbitmq": rabbit} if rabbit else {})}
         for concurrency in (1, 32):
+            meter = CpuMeter({**pids, "requester": os.getpid()})
             result = asyncio.run(_raw_round_trips(run, queue, MATMUL_IN_BYTES, concurrency))
-            run.record(f"broker.c{concurrency}", result, request_bytes=MATMUL_IN_BYTES)
+            cpu = meter.per_request(result.calls_total)
+            key = f"broker.c{concurrency}"
+            run.record(key, result, request_bytes=MATMUL_IN_BYTES, cpu_ms_per_request=cpu)
+            print(f"    cpu ms/request: {cpu}", flush=True)
 
 
 async def _raw_round_trips(run: Run, queue: str, size: int, concurrency: int) -> LoadResult:

@@ -33,8 +33,7 @@ class ChildSpec:
     label: str
     argv: tuple[str, ...]
     final_codes: frozenset[int] = field(default_factory=lambda: frozenset({EXIT_USAGE}))
-    # A floor under the back-off, for children that must not come back too early (an
-    # agent's successor is refused while the scheduler still counts the dead one live).
+    # A floor under the back-off, for children that must not come back too early.
     min_restart_delay: float = 0.0
 
 
@@ -165,6 +164,18 @@ class Supervised:
             self.say(f"still running {grace:g} s after SIGTERM; sending SIGKILL")
         self._signal(signal.SIGKILL)
         await self._done.wait()
+
+    def retire(self) -> None:
+        """Let the child end on its own (e.g. when told to leave); it is not restarted."""
+        self._stopping.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for ``run`` to end; True if it did."""
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def kill_now(self) -> None:
         """Last resort (second Ctrl-C, or the launcher failing): SIGKILL without waiting."""

@@ -6,8 +6,9 @@ carry the same keys and a shipped cache is a hit at start. Folders: ``--cache-di
 puts every rank's entries in DIR (give the agents the same ``--cache-dir``, or the same
 ``[cache] dir`` to run-rank); without it each rank gets the agent's default folder
 ``$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<r>``. The key includes the
-onnxruntime version, the CPU's features, the thread count and the mode: warm up on the
-machine type (and with the ``--threads``) the agents will use.
+onnxruntime version, the CPU's features, the thread count, the mode and the weights a
+rank's segments share (``shardserve.segments``, the agent's rule): warm up on the machine
+type (and with the ``--threads`` and ``--share-weights``) the agents will use.
 """
 
 from __future__ import annotations
@@ -54,20 +55,31 @@ class RankWarmup:
 
 
 def warm_rank(
-    repo: Path, group: GroupConfig, rank: int, folder: Path, config: SessionConfig
+    repo: Path,
+    group: GroupConfig,
+    rank: int,
+    folder: Path,
+    config: SessionConfig,
+    share_weights: bool = True,
 ) -> RankWarmup:
-    """Open (and so cache) one rank's segments; the sessions are dropped right after."""
+    """Open (and so cache) one rank's segments as the agent does (same identities, same
+    shared weights, so the same keys); the sessions are dropped right after."""
     from shardserve.compile_cache import CompileCache
-    from shardserve.lite.slice import overall_status, rank_segments
+    from shardserve.segments import (
+        SharedWeights,
+        find_shared_weights,
+        open_segments,
+        rank_segments,
+    )
 
     segments = rank_segments(repo, group, rank)
     cache = CompileCache(folder, rank, config)
     started = time.perf_counter()
-    statuses = [cache.open(s.path, s.identity)[1] for s in segments.values()]
+    paths = {name: segment.path for name, segment in segments.items()}
+    shared = find_shared_weights(paths) if share_weights else SharedWeights()
+    status = open_segments(cache, segments, shared)[1]
     ms = (time.perf_counter() - started) * 1000
-    return RankWarmup(
-        group.servable, group.version, rank, overall_status(statuses), ms, cache.folder
-    )
+    return RankWarmup(group.servable, group.version, rank, status, ms, cache.folder)
 
 
 def groups_of(repo: Path, servable: str | None, version: int | None) -> Iterator[GroupConfig]:
@@ -91,6 +103,7 @@ def warmup(
     threads: int = 1,
     servable: str | None = None,
     version: int | None = None,
+    share_weights: bool = True,
     report: Callable[[RankWarmup], None] = lambda _: None,
 ) -> list[RankWarmup]:
     """Warm every selected rank, reporting each as it is done."""
@@ -101,7 +114,7 @@ def warmup(
     for group in groups_of(repo, servable, version):
         for rank in range(group.rank_size):
             folder = cache_dir or default_cache_dir(group.servable, group.version, rank)
-            results.append(warm_rank(repo, group, rank, folder, config))
+            results.append(warm_rank(repo, group, rank, folder, config, share_weights))
             report(results[-1])
     return results
 
@@ -121,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="standard")
     parser.add_argument(
         "--threads", type=_positive_int, default=1, help="onnxruntime threads (as the agents')"
+    )
+    parser.add_argument(
+        "--share-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as the agents' --share-weights (it changes the cache key of ranks whose "
+        "segments share a weight)",
     )
     parser.add_argument("--servable", default=None, help="only this servable")
     parser.add_argument("--version", type=int, default=None, help="only this version")
@@ -142,6 +162,7 @@ def run_warmup(args: argparse.Namespace) -> int:
             threads=args.threads,
             servable=args.servable,
             version=args.version,
+            share_weights=args.share_weights,
             report=lambda r: print(r.line(), flush=True),
         )
     except RepositoryError as exc:

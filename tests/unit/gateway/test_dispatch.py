@@ -172,7 +172,9 @@ async def test_requests_beyond_the_inflight_limit_are_refused_at_once() -> None:
     dispatcher = AmqpDispatcher(broker, "gw-1", max_inflight=2)  # type: ignore[arg-type]
     await dispatcher.start()
     waiting = [asyncio.create_task(dispatcher.call(request())) for _ in range(2)]
-    while len(broker.published) < 2:
+    for _ in range(1000):  # let both calls reach their publish
+        if len(broker.published) >= 2:
+            break
         await asyncio.sleep(0)
     with pytest.raises(OverloadedError, match="2 requests in flight"):
         await dispatcher.call(request())

@@ -5,7 +5,9 @@ folders are never opened. Every file of the rank (segments and their external da
 checked against its sha256; sessions are opened only for the segments the stage program
 runs, after ``check_external_data`` proved each one's external data stays in the rank
 folder and is among the checksummed files. Weights several segments share are loaded
-once (``shared_weights``).
+once. Which segments, their cache identities and their shared weights follow the one rule
+of ``shardserve.segments`` (``shardserve warmup`` and ``shardserve.lite`` use it too, so
+their compile-cache entries are hits here).
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
-from shardserve.errors import RepositoryError, UnsafePathError
+from shardserve.errors import RepositoryError
 from shardserve.pack import missing_slice_message
 from shardserve.program import OrtSegment
 from shardserve.repository import (
     GroupConfig,
-    RunOp,
     StageSpec,
     list_versions,
     load_group,
@@ -30,9 +31,14 @@ from shardserve.repository import (
     rank_dir,
     verify_rank_files,
 )
-from shardserve.slicing import check_external_data
+from shardserve.segments import (
+    Segment,
+    SharedWeights,
+    find_shared_weights,
+    open_segments,
+    segment_files,
+)
 from shardserve_agent.settings import AgentSettings
-from shardserve_agent.shared_weights import SharedWeights, find_shared_weights
 
 _logger = logging.getLogger(__name__)
 _MIB = 1024 * 1024
@@ -108,7 +114,7 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     disk_bytes = sum(path.stat().st_size for path in files.values())
     stage = group.stage_of(settings.rank)
     digests = group.ranks[settings.rank].files
-    segments, identities = segment_files(stage, files, digests)
+    paths, identities = segment_files(stage, files, digests)
     cache = CompileCache(
         settings.resolved_cache_dir(version),
         settings.rank,
@@ -117,8 +123,9 @@ def _load(settings: AgentSettings) -> LoadedSlice:
         ),
     )
     started = time.perf_counter()
-    shared = find_shared_weights(segments) if settings.share_weights else SharedWeights()
-    runners, status = _open_sessions(cache, segments, identities, shared)
+    shared = find_shared_weights(paths) if settings.share_weights else SharedWeights()
+    segments = {name: Segment(path, identities[name]) for name, path in paths.items()}
+    runners, status = open_segments(cache, segments, shared)
     load_ms = (time.perf_counter() - started) * 1000
     _logger.info(
         "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s (%s), "
@@ -145,37 +152,6 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     )
 
 
-def segment_files(
-    stage: StageSpec, files: dict[str, Path], digests: dict[str, str]
-) -> tuple[dict[str, Path], dict[str, str]]:
-    """The segments the stage program runs (name -> path), each checked for external data
-    that would leave the rank folder or was not checksummed (raises UnsafePathError), and
-    each segment's identity for the compile cache: its sha256, combined with its data
-    files' when it has some (the .onnx alone does not pin the weights)."""
-    segments: dict[str, Path] = {}
-    identities: dict[str, str] = {}
-    for op in stage.program:
-        if not isinstance(op, RunOp) or op.file in segments:
-            continue
-        if op.file not in files:
-            raise RepositoryError(f"stage {stage.index} runs {op.file}, not a file of this rank")
-        path = files[op.file]
-        data_files = check_external_data(path)
-        for data in data_files:
-            if data not in files:
-                raise UnsafePathError(
-                    f"{path}: external data file {data!r} is not listed (with its sha256) "
-                    f"among the rank's files in group.json"
-                )
-        segments[op.file] = path
-        identities[op.file] = (
-            rank_checksum({n: digests[n] for n in (op.file, *data_files)})
-            if data_files
-            else digests[op.file]
-        )
-    return segments, identities
-
-
 def _disk_bytes(settings: AgentSettings) -> int:
     """Size of the rank's folder, for messages (0 if it cannot be read)."""
     try:
@@ -184,30 +160,6 @@ def _disk_bytes(settings: AgentSettings) -> int:
         return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
     except Exception:  # only used to word an error message
         return 0
-
-
-def _open_sessions(
-    cache: CompileCache,
-    segments: dict[str, Path],
-    digests: dict[str, str],
-    shared: SharedWeights,
-) -> tuple[dict[str, OrtSegment], CacheStatus]:
-    runners: dict[str, OrtSegment] = {}
-    statuses: list[CacheStatus] = []
-    for name, path in segments.items():
-        session, status = cache.open(path, digests[name], shared.for_segment(name))
-        runners[name] = OrtSegment(session)
-        statuses.append(status)
-    return runners, _overall(statuses)
-
-
-def _overall(statuses: list[CacheStatus]) -> CacheStatus:
-    """'hit' only if every segment came from the cache; 'off' if none used it."""
-    if not statuses or all(s == "off" for s in statuses):
-        return "off"
-    if all(s == "hit" for s in statuses):
-        return "hit"
-    return "miss"
 
 
 def _is_allocation_failure(exc: BaseException) -> bool:
