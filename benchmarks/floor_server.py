@@ -3,6 +3,8 @@
 What a minimal single-process server costs for the same request body the mesh gets: HTTP,
 JSON (or binary-extension) decode, one ``session.run`` on the unsliced model, encode.
 No broker, no validation beyond what decoding needs. The mesh is compared against it.
+JSON goes through the gateway's own ``fast_json`` (orjson), so the floor ratio measures
+the mesh's overhead, not a difference of JSON parsers.
 
     python -m benchmarks.floor_server --model MODEL.onnx --port 8500 [--threads 1]
 
@@ -12,7 +14,6 @@ Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import onnxruntime as ort
 from aiohttp import web
 
 from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
+from shardserve_gateway import fast_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SESSION_KEY = web.AppKey("session", ort.InferenceSession)
@@ -38,7 +40,7 @@ def load_session(model: Path, threads: int) -> ort.InferenceSession:
 def decode_inputs(body: bytes, header_length: str | None) -> tuple[dict[str, np.ndarray], bool]:
     """(inputs, binary_output) from a KServe v2 JSON or binary-extension body."""
     json_end = len(body) if header_length is None else int(header_length)
-    doc = json.loads(body[:json_end])
+    doc = fast_json.loads(body[:json_end])
     offset = json_end
     inputs: dict[str, np.ndarray] = {}
     for spec in doc["inputs"]:
@@ -59,6 +61,7 @@ def encode_outputs(
 ) -> tuple[bytes, dict[str, str]]:
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
+    finite = True
     for name, array in outputs.items():
         entry: dict[str, Any] = {
             "name": name,
@@ -70,9 +73,10 @@ def encode_outputs(
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            entry["data"] = array.reshape(-1).tolist()
+            entry["data"] = fast_json.json_values(array.reshape(-1))
+            finite = finite and fast_json.all_finite(array)
         entries.append(entry)
-    header = json.dumps({"model_name": model, "outputs": entries}, separators=(",", ":")).encode()
+    header = fast_json.dumps({"model_name": model, "outputs": entries}, finite=finite)
     if not blobs:
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}

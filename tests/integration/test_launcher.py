@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,11 +62,11 @@ def http_status(url: str) -> int:
         return 0
 
 
-def infer_all_ones(base: str) -> set[float]:
+def infer_all_ones(base: str, model: str = "matmul") -> set[float]:
     body = {"inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32",
                         "data": [1.0] * (128 * 96)}]}  # fmt: skip
     request = urllib.request.Request(
-        f"{base}/v2/models/matmul/infer",
+        f"{base}/v2/models/{model}/infer",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
@@ -168,7 +169,11 @@ def test_up_serves_heals_and_stops_every_process(
     os.kill(victim, signal.SIGKILL)
     wait_for("agent r1 to restart", lambda: agent_pid(children_of(process.pid), 1) not in
              (None, victim), 60)  # fmt: skip
-    wait_for("the group to heal", ready)
+    successor = agent_pid(children_of(process.pid), 1)
+    # (readiness may not have dropped yet: the scheduler notices the loss at its heartbeat
+    # timeout, and the successor's registration waits for it)
+    wait_for("the successor to serve rank 1", lambda: ready() and rank_served_by(base, 1)
+             == successor, 60)  # fmt: skip
     assert infer_all_ones(base) == {-48.0}
     assert "[agent matmul r1] was killed by SIGKILL; restarting in" in log.read_text()
 
@@ -182,6 +187,65 @@ def test_up_serves_heals_and_stops_every_process(
     agent_stop = text.index("[agent matmul r0]", text.index("stopping:"))
     assert gateway_stop < agent_stop
     assert text.rstrip().endswith("stopped")
+
+
+def rank_served_by(base: str, rank: int) -> int | None:
+    """The pid of the ready instance serving ``rank`` of matmul v1, per /api/status."""
+    try:
+        with urllib.request.urlopen(f"{base}/api/status", timeout=5) as response:
+            status = json.loads(response.read())
+    except OSError:
+        return None
+    for servable in status.get("servables", ()):
+        if (servable["name"], servable["version"]) == ("matmul", 1):
+            for entry in servable["ranks"]:
+                if entry["rank"] == rank and entry["state"] == "ready":
+                    return int(entry["pid"])
+    return None
+
+
+def agents_of_version(pid: int, version: int) -> set[int]:
+    return {p for p, cmd in children_of(pid).items()
+            if "-m shardserve_agent" in cmd and f" --version {version} " in cmd}  # fmt: skip
+
+
+def test_a_version_added_while_up_runs_gets_agents_and_loses_them_when_removed(
+    launcher: tuple[subprocess.Popen[bytes], str, Path], repo: Path
+) -> None:
+    process, base, log = launcher
+    v2_ready = f"{base}/v2/models/matmul/versions/2/ready"
+
+    def ready(url: str) -> bool:
+        assert process.poll() is None, log.read_text()
+        return http_status(url) == 200
+
+    wait_for("the mesh to get ready", lambda: ready(f"{base}/v2/health/ready"))
+    v1_agents = agents_of_version(process.pid, 1)
+    assert len(v1_agents) == 2
+
+    # A new version, exported into the running repository: its agents start, v1's stay.
+    subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "export", "matmul", "--rank-size", "2",
+         "--version", "2", "--out", str(repo)],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    wait_for("version 2 to get ready", lambda: ready(v2_ready))
+    assert infer_all_ones(base, "matmul/versions/2") == {-48.0}
+    assert len(agents_of_version(process.pid, 2)) == 2
+    assert agents_of_version(process.pid, 1) == v1_agents  # not restarted
+    assert "matmul v2: new version (2 ranks)" in log.read_text()
+    assert "matmul v2: the scheduler loaded it; starting its agents" in log.read_text()
+
+    # The folder goes: the scheduler drains and unloads v2, its agents leave for good.
+    shutil.rmtree(repo / "matmul" / "2")
+    wait_for("v2's agents to leave", lambda: not agents_of_version(process.pid, 2), 60)
+    assert http_status(v2_ready) == 404
+    assert "matmul v2: its folder is gone" in log.read_text()
+    assert agents_of_version(process.pid, 1) == v1_agents
+    assert infer_all_ones(base) == {-48.0}
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=90) == 0, log.read_text()
 
 
 def test_up_without_a_broker_says_which_variable_to_set(repo: Path) -> None:

@@ -210,7 +210,7 @@ def _client_ssl(ca: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(ca))
 
 
-async def _ready(url: str, context: ssl.SSLContext | None, proc: Process, within_s: float) -> None:
+async def _ready(url: str, context: ssl.SSLContext | bool, proc: Process, within_s: float) -> None:
     deadline = time.monotonic() + within_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
@@ -257,7 +257,7 @@ def tls_mesh(
     try:
         http_url = f"http://127.0.0.1:{http_port}"
         https_url = f"https://127.0.0.1:{https_port}"
-        asyncio.run(_ready(http_url, None, mesh, 180))
+        asyncio.run(_ready(http_url, True, mesh, 180))
         asyncio.run(_ready(https_url, _client_ssl(broker.certs / "ca.pem"), gateway, 60))
         yield TlsMesh(broker, node, http_url, https_url)
     finally:
@@ -265,7 +265,7 @@ def tls_mesh(
         mesh.stop()
 
 
-async def _infer(url: str, context: ssl.SSLContext | None = None) -> list[float]:
+async def _infer(url: str, context: ssl.SSLContext | bool = True) -> list[float]:
     async with (
         aiohttp.ClientSession() as session,
         session.post(url + "/v2/models/matmul/infer", json=ONES, ssl=context) as r,

@@ -13,17 +13,14 @@ from typing import Any
 import pytest
 
 from shardserve import cli
-from shardserve.launcher import (
+from shardserve.launch.plan import (
     UpOptions,
-    all_ready,
     discover_groups,
-    format_status,
     plan_children,
-    progress_lines,
-    public_url,
-    redact,
     repository_version_is_valid,
 )
+from shardserve.launch.status import all_ready, format_status, progress_lines, public_url
+from shardserve.launcher import redact
 from shardserve.repository import GroupConfig, load_group, verify_rank_files
 
 
@@ -163,6 +160,10 @@ def test_up_and_status_parse_their_options() -> None:
         Path("/models"), 9000, "0.0.0.0", 2, True,
     )  # fmt: skip
     assert parser.parse_args(["up"]).repository is None
+    assert parser.parse_args(["up"]).repository_poll_seconds == 2.0
+    assert parser.parse_args(["up", "--repository-poll-seconds", "0"]).repository_poll_seconds == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--repository-poll-seconds", "-1"])
     status = parser.parse_args(["status", "--url", "http://h:1"])
     assert status.url == "http://h:1"
 
@@ -211,6 +212,8 @@ def test_plan_has_one_agent_per_rank_and_the_pinned_command_lines(matmul_repo: P
         "-m", "shardserve_gateway", "--host", "127.0.0.1", "--http-port", "9001",
     )  # fmt: skip
     assert tiers["scheduler"][0].argv[3:5] == ("--repository", str(matmul_repo))
+    assert tiers["scheduler"][0].argv[-2:] == ("--repository-poll-seconds", "2")
+    assert all(spec.min_restart_delay == 0 for spec in agents)  # agents retry refusals
 
 
 def test_plan_arguments_parse_with_the_services_own_parsers(matmul_repo: Path) -> None:

@@ -146,3 +146,86 @@ async def test_finished_set_is_bounded() -> None:
     for job in ("a", "b", "c"):
         hub.finish(job)
     assert not hub.is_finished("a") and hub.is_finished("c")
+
+
+# ----------------------------------------------------------------- algorithms
+
+
+class Stage:
+    """In-process transport for the hubs of one stage: multicast and point-to-point,
+    counting deliveries (a multicast reaches every hub, the sender's own included)."""
+
+    def __init__(self, ranks: tuple[int, ...], point_to_point: bool) -> None:
+        self.deliveries = 0
+        self.hubs = {
+            r: CollectiveHub(
+                rank=r,
+                stage=0,
+                stage_ranks=ranks,
+                publish=self._multicast,
+                send_to=self._send if point_to_point else None,
+            )
+            for r in ranks
+        }
+
+    async def _multicast(self, part: CollectivePart) -> None:
+        for hub in self.hubs.values():
+            self.deliveries += 1
+            hub.accept(part)
+
+    async def _send(self, rank: int, part: CollectivePart) -> None:
+        self.deliveries += 1
+        self.hubs[rank].accept(part)
+
+    async def allreduce(self, job: str, arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        def total(parts: list[np.ndarray]) -> np.ndarray:
+            out = parts[0].copy()
+            for p in parts[1:]:
+                out += p
+            return out
+
+        async def one(rank: int) -> np.ndarray:
+            collective = self.hubs[rank].begin(job, deadline=float("inf"))
+            return await collective.allcombine(0, arrays[rank], total)
+
+        results = await asyncio.gather(*(one(r) for r in self.hubs))
+        return dict(zip(self.hubs, results, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("ranks", "point_to_point", "algorithm"),
+    [(2, True, "fanout"), (3, True, "leader"), (8, True, "leader"), (8, False, "fanout")],
+)
+def test_the_algorithm_depends_on_the_rank_count_and_transport(
+    ranks: int, point_to_point: bool, algorithm: str
+) -> None:
+    assert Stage(tuple(range(ranks)), point_to_point).hubs[0].algorithm == algorithm
+
+
+@pytest.mark.parametrize("point_to_point", [True, False])
+async def test_both_algorithms_agree_bit_for_bit_on_every_rank(point_to_point: bool) -> None:
+    ranks = tuple(range(8))
+    stage = Stage(ranks, point_to_point)
+    rng = np.random.default_rng(7)
+    arrays = {r: rng.standard_normal((4, 3)).astype(np.float32) for r in ranks}
+    results = await stage.allreduce("job-a", arrays)
+    expected = arrays[0].copy()
+    for r in ranks[1:]:
+        expected += arrays[r]  # rank order, as combine does
+    for result in results.values():
+        assert result.tobytes() == expected.tobytes()
+    # leader: 7 sends to the leader + one multicast to 8 queues; fanout: 8 multicasts.
+    assert stage.deliveries == (7 + 8 if point_to_point else 8 * 8)
+
+
+async def test_leader_results_that_arrive_before_the_rank_starts_are_kept() -> None:
+    stage = Stage((0, 1, 2), point_to_point=True)
+    leader = stage.hubs[0].begin("job-b", deadline=float("inf"))
+    stage.hubs[0].accept(part("job-b", 0, 1, 1.0))
+    stage.hubs[0].accept(part("job-b", 0, 2, 2.0))
+    combined = await leader.allcombine(0, own(4.0), lambda ps: np.concatenate(ps, axis=1))
+    assert combined.tolist() == [[4.0, 1.0, 2.0], [4.0, 1.0, 2.0]]
+    # rank 2 starts late: the leader's combined part is already buffered for it
+    late = stage.hubs[2].begin("job-b", deadline=float("inf"))
+    got = await late.allcombine(0, own(2.0), lambda ps: np.concatenate(ps, axis=1))
+    assert got.tobytes() == combined.tobytes()

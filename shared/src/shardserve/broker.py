@@ -7,14 +7,20 @@ Channels:
 - ``consume``: manual acks, explicit prefetch per consumer.
 
 Reconnects happen in one place, aio-pika's robust connection; callbacks flip
-``healthy`` so readiness reflects an outage. With several broker URLs (a cluster's nodes,
-comma-separated in SHARDSERVE_AMQP_URL) the first connect tries them in order, and the
-robust connection's reconnect attempts move to the next URL after each failure
-(``shardserve.failover.FailoverConnection``): still one reconnect path.
+``healthy`` so readiness reflects an outage. On a reconnect every queue this broker
+declared is declared again with its bindings and every consumer restarted (exclusive
+and auto-delete queues die with the old connection), on the consume channel itself, so
+a consumer never waits for another channel's restore to get its bindings back.
+
+With several broker URLs (a cluster's nodes, comma-separated in SHARDSERVE_AMQP_URL) the
+first connect tries them in order, and the robust connection's reconnect attempts move
+to the next URL after each failure (``shardserve.failover.FailoverConnection``): still
+one reconnect path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -28,7 +34,7 @@ from aio_pika.abc import (
     AbstractQueue,
 )
 
-from shardserve import codec
+from shardserve import chunking, codec
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
 from shardserve.failover import FailoverConnection
 from shardserve.protocol import Message
@@ -55,6 +61,7 @@ class Broker:
         self._exchanges: dict[str, AbstractExchange] = {}
         self._confirm_exchanges: dict[str, AbstractExchange] = {}
         self._queues: dict[str, AbstractQueue] = {}
+        self._bindings: dict[str, tuple[Binding, ...]] = {}
         self._consume_channels: list[AbstractChannel] = []
         self._consumers: dict[str, AbstractQueue] = {}
         self.healthy = False
@@ -111,6 +118,15 @@ class Broker:
         """The broker this connection uses now (password hidden)."""
         return self._connection.current_url if self._connection is not None else ""
 
+    @property
+    def publishable(self) -> bool:
+        """Connected now, even while the channels are still being restored after a
+        reconnect (``healthy`` turns True only once all of them are): a consumer restored
+        early may already answer (an agent's hello to a SchedulerHello); its publish waits
+        for the publish channel's restore, bounded by the publish timeout."""
+        connection = self._connection
+        return self.healthy or (connection is not None and connection.connected.is_set())
+
     def _on_close(self, *_: Any) -> None:
         if self.healthy:
             _logger.warning("broker connection %s lost; reconnecting", self._name)
@@ -144,11 +160,28 @@ class Broker:
             auto_delete=queue.auto_delete,
             arguments=queue.arguments or None,
         )
-        for b in bindings:
-            if b.queue == queue.name:
-                await declared.bind(b.exchange, routing_key=b.routing_key)
+        own = tuple(b for b in bindings if b.queue == queue.name)
+        for b in own:
+            await declared.bind(b.exchange, routing_key=b.routing_key)
         self._queues[queue.name] = declared
+        self._bindings[queue.name] = own
         return declared
+
+    async def ready_count(self, queue: str) -> int:
+        """Messages ready (not delivered) in a queue, from a passive declare on a channel of
+        its own (a missing queue closes that channel, not ours). UnavailableError when the
+        broker cannot answer."""
+        if not self.healthy or self._connection is None:
+            raise UnavailableError("message broker is unreachable")
+        try:
+            channel = await self._connection.channel(publisher_confirms=False)
+            try:
+                declared = await channel.declare_queue(queue, passive=True, robust=False)
+                return int(declared.declaration_result.message_count or 0)
+            finally:
+                await _close_quietly(channel)
+        except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
+            raise UnavailableError(f"could not inspect queue {queue}: {exc}") from exc
 
     async def publish(
         self,
@@ -186,21 +219,25 @@ class Broker:
         message_type: str | None = None,
     ) -> None:
         """Publish bytes as they are (already encoded)."""
-        if not self.healthy:
+        if not self.publishable:
             raise UnavailableError("message broker is unreachable")
-        msg = aio_pika.Message(
-            body,
-            content_type=codec.CONTENT_TYPE,
-            correlation_id=correlation_id,
-            reply_to=reply_to,
-            expiration=_expiration(deadline),
-            type=message_type,
-        )
         target = (self._confirm_exchanges if confirm else self._exchanges)[exchange]
+        expiration = _expiration(deadline)
         try:
-            await target.publish(
-                msg, routing_key, mandatory=confirm, timeout=self._settings.publish_timeout_s
-            )
+            # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.chunking).
+            for part, headers in chunking.split(body, chunking.max_message_bytes()):
+                msg = aio_pika.Message(
+                    part,
+                    headers=headers or None,
+                    content_type=codec.CONTENT_TYPE,
+                    correlation_id=correlation_id,
+                    reply_to=reply_to,
+                    expiration=expiration,
+                    type=message_type,
+                )
+                await target.publish(
+                    msg, routing_key, mandatory=confirm, timeout=self._settings.publish_timeout_s
+                )
         except aio_pika.exceptions.DeliveryError as exc:
             raise _delivery_error(exc, exchange, routing_key) from exc
         except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
@@ -246,33 +283,50 @@ class Broker:
         so that after a reconnect it is re-declared and its consumer restarted.
 
         ``get_queue(ensure=False)`` registers nothing: consumers would silently stay gone
-        after a reconnect, and an exclusive queue (gateway replies and status) is deleted
-        with the old connection, so it must be declared again with its arguments.
+        after a reconnect, and an exclusive or auto-delete queue (gateway replies and
+        status, agent work, collective and control queues) is deleted with the old
+        connection, so it must be declared again with its arguments AND bound again
+        before its consumer restarts: the restored queue has no bindings, and channels
+        are restored in no fixed order. So the bindings are registered here too (binding
+        twice is idempotent); aio-pika restores declare, bindings, consumer in that order.
         """
         known = self._queues.get(queue)
         if known is None:
             return await channel.get_queue(queue, ensure=False)
-        return await channel.declare_queue(
+        declared = await channel.declare_queue(
             queue,
             durable=known.durable,
             exclusive=known.exclusive,
             auto_delete=known.auto_delete,
             arguments=known.arguments,
         )
+        for b in self._bindings.get(queue, ()):
+            await declared.bind(b.exchange, routing_key=b.routing_key)
+        return declared
 
     async def cancel(self, consumer_tag: str) -> None:
-        """Stop one consumer; its channel stays open so messages in flight can still be acked."""
+        """Stop one consumer; its channel stays open so messages in flight can still be acked.
+
+        The consumer is forgotten at once (a reconnect will not restore it); telling the
+        broker is bounded by the publish timeout, since during an outage it would wait for
+        the reconnect (the broker drops the consumer with the old connection anyway)."""
         queue = self._consumers.pop(consumer_tag, None)
         if queue is not None:
-            await queue.cancel(consumer_tag)
+            await asyncio.wait_for(queue.cancel(consumer_tag), self._settings.publish_timeout_s)
 
     async def _dispatch(self, incoming: AbstractIncomingMessage, handler: MessageHandler) -> None:
         try:
-            message = codec.decode(incoming.body)
+            body = chunking.incoming().take(incoming.headers, incoming.body)
+            # A chunk held until its message is whole: acked now (its message is lost with
+            # this process either way), and decoded off the loop when big.
+            message = None if body is None else await codec.decode_off_loop(body)
         except CodecError as exc:
             self.dead_lettered += 1
             _logger.warning("dead-lettering a message from %s: %s", incoming.routing_key, exc)
             await incoming.reject(requeue=False)
+            return
+        if message is None:
+            await incoming.ack()
             return
         async with incoming.process(requeue=False, ignore_processed=True):
             await handler(message, incoming)

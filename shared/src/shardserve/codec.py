@@ -7,6 +7,7 @@ consumer can dead-letter the message and keep running.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 import msgpack
@@ -38,6 +39,25 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 def encode(message: BaseModel) -> bytes:
     """Return the msgpack bytes of a wire message."""
     return msgpack.packb(_to_plain(message), use_bin_type=True)
+
+
+# Messages carrying more tensor bytes than this are encoded/decoded in a thread: packing
+# 64 MB takes long enough (hundreds of ms on a busy machine) to starve heartbeats.
+OFF_LOOP_BYTES = 1024 * 1024
+
+
+async def encode_off_loop(message: BaseModel, payload_bytes: int) -> bytes:
+    """``encode``, in a thread when the message carries more than ``OFF_LOOP_BYTES``."""
+    if payload_bytes > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(encode, message)
+    return encode(message)
+
+
+async def decode_off_loop(body: bytes) -> Message:
+    """``decode``, in a thread for bodies bigger than ``OFF_LOOP_BYTES``."""
+    if len(body) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(decode, body)
+    return decode(body)
 
 
 def _to_plain(message: BaseModel) -> dict[str, Any]:

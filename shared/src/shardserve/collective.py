@@ -9,6 +9,24 @@ Waiting is bounded by the job's deadline and aborted by a JobCancel.
 Transport-free (parts go out through a ``publish`` callback, come in through ``accept``):
 the agent wires it to its stage's collective queue, the standalone per-rank run
 (``shardserve.lite``) to its run-scoped queue.
+
+Two algorithms, chosen per collective by ``choose_algorithm``:
+
+- **fanout**: every rank multicasts its part to the stage; R publishes, R*(R-1)
+  deliveries, one hop. Every rank combines the same parts in rank order.
+- **leader**: every other rank sends its part to the stage leader (its first rank) only;
+  the leader combines in rank order and multicasts the combined result; R-1 + 1
+  publishes, 2*(R-1) deliveries (+1 to the leader's own queue, dropped), two hops. All
+  ranks use the leader's bytes, so they agree bit for bit.
+
+Rule: leader when the stage has 3 or more ranks (and the transport can send to one
+rank), fanout otherwise. Every delivery has a fixed cost (a broker routing + a consumer
+wake-up + a decode) that dwarfs the bytes for activations of ordinary size: TP8 is 56
+deliveries per collective by fanout, 14 by leader. Bytes never favour fanout: an
+allgather moves (R*R-1)*S bytes by leader vs R*(R-1)*S by fanout (within 1/R), an
+allreduce 2*(R-1)*S vs R*(R-1)*S. At R = 2 both make 2 deliveries and fanout saves the
+hop. The part size is deliberately not an input: every rank must pick the same algorithm
+without talking, and shards of an uneven split differ in size.
 """
 
 from __future__ import annotations
@@ -28,6 +46,17 @@ from shardserve.tensors import Tensor
 _logger = logging.getLogger(__name__)
 
 PartPublisher = Callable[[CollectivePart], Awaitable[None]]
+PartSender = Callable[[int, CollectivePart], Awaitable[None]]  # (to rank, part)
+Combine = Callable[[list[np.ndarray]], np.ndarray]
+FANOUT, LEADER = "fanout", "leader"
+LEADER_MIN_RANKS = 3
+
+
+def choose_algorithm(ranks: int, point_to_point: bool) -> str:
+    """The collective algorithm for a stage of ``ranks`` ranks (see the module docstring)."""
+    return LEADER if point_to_point and ranks >= LEADER_MIN_RANKS else FANOUT
+
+
 Clock = Callable[[], float]
 StepParts = dict[int, np.ndarray]  # rank -> array
 
@@ -66,11 +95,15 @@ class CollectiveHub:
         clock: Clock = time.time,
         finished_limit: int = 10_000,
         max_pending_jobs: int = 1_024,
+        send_to: PartSender | None = None,
     ) -> None:
         self.rank = rank
         self.stage = stage
         self.ranks = stage_ranks
+        self.leader = stage_ranks[0]
+        self.algorithm = choose_algorithm(len(stage_ranks), send_to is not None)
         self._publish = publish
+        self._send_to = send_to
         self._clock = clock
         self._pending: OrderedDict[str, dict[int, StepParts]] = OrderedDict()
         self._max_pending = max_pending_jobs
@@ -159,6 +192,10 @@ class CollectiveHub:
     async def publish(self, part: CollectivePart) -> None:
         await self._publish(part)
 
+    async def send_to(self, rank: int, part: CollectivePart) -> None:
+        assert self._send_to is not None
+        await self._send_to(rank, part)
+
 
 class JobCollective:
     """The ``program.Collective`` of one job on this rank."""
@@ -175,27 +212,55 @@ class JobCollective:
         self._cancel_reason = reason
         self.changed.set()
 
+    def _part(self, step: int, array: np.ndarray) -> CollectivePart:
+        # Made from our own array: no validation needed (from_numpy checks the dtype).
+        return CollectivePart.model_construct(
+            job=self.job,
+            stage=self._hub.stage,
+            step=step,
+            rank=self._hub.rank,
+            tensor=Tensor.from_numpy(array),
+        )
+
     async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
+        """Every rank's part of this step in rank order (fanout)."""
         hub = self._hub
         started = time.perf_counter()
-        part = CollectivePart(
-            job=self.job, stage=hub.stage, step=step, rank=hub.rank, tensor=Tensor.from_numpy(array)
-        )
-        await hub.publish(part)
+        await hub.publish(self._part(step, array))
         parts = hub.parts(self.job, step)
         parts[hub.rank] = array
         try:
-            await self._wait_for_all(step, parts)
+            await self._wait_for(step, parts, hub.ranks)
         finally:
             self.wait_ms += (time.perf_counter() - started) * 1000
         return [parts[r] for r in hub.ranks]
 
-    async def _wait_for_all(self, step: int, parts: StepParts) -> None:
+    async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
+        """``combine`` of every rank's part, in rank order, identical bits on every rank."""
+        hub = self._hub
+        if hub.algorithm == FANOUT:
+            return combine(await self.gather(step, array))
+        started = time.perf_counter()
+        parts = hub.parts(self.job, step)
+        try:
+            if hub.rank != hub.leader:
+                await hub.send_to(hub.leader, self._part(step, array))
+                await self._wait_for(step, parts, (hub.leader,))
+                return parts[hub.leader]  # the leader's combined result
+            parts[hub.rank] = array
+            await self._wait_for(step, parts, hub.ranks)
+            combined = combine([parts[r] for r in hub.ranks])
+            await hub.publish(self._part(step, combined))
+            return combined
+        finally:
+            self.wait_ms += (time.perf_counter() - started) * 1000
+
+    async def _wait_for(self, step: int, parts: StepParts, ranks: tuple[int, ...]) -> None:
         while True:
             self.changed.clear()  # before checking, so no arrival can be missed
             if self._cancel_reason is not None:
                 raise JobCancelledError(f"job {self.job} cancelled: {self._cancel_reason}")
-            missing = [r for r in self._hub.ranks if r not in parts]
+            missing = [r for r in ranks if r not in parts]
             if not missing:
                 return
             remaining = self.deadline - self._hub.now()

@@ -9,6 +9,7 @@ tests prove offline are the numerics served.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -48,10 +49,21 @@ async def run_stage(
             feeds = {name: env[name] for name in runner.input_names}
             env.update(await runner.run(feeds))
             continue
-        parts = await collective.gather(step, env[op.input])
+        env[op.output] = await _combined(collective, step, op, env[op.input])
         step += 1
-        env[op.output] = combine(op, parts)
     return {name: env[name] for name in stage.outputs}
+
+
+async def _combined(
+    collective: Collective, step: int, op: AllGatherOp | AllReduceOp, array: np.ndarray
+) -> np.ndarray:
+    """The collective's result: by ``allcombine`` where the collective has it (it may
+    combine on one rank and share the result), else every part gathered and combined."""
+    allcombine = getattr(collective, "allcombine", None)
+    if allcombine is not None:
+        result: np.ndarray = await allcombine(step, array, lambda parts: combine(op, parts))
+        return result
+    return combine(op, await collective.gather(step, array))
 
 
 def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarray:
@@ -64,23 +76,48 @@ def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarra
     return total
 
 
+# A segment whose last run took less than this runs inline on the event loop next time:
+# handing 0.03 ms of compute to a thread cost more CPU than the compute (thread hand-off,
+# wake-ups, GIL), and blocking the loop for under a millisecond delays nothing that
+# matters (heartbeats are 1 s apart). Anything slower, or fed much more data than last
+# time (a bigger batch), goes to a thread so the loop keeps serving.
+INLINE_RUN_S = 0.001
+INLINE_GROWTH = 2  # inline only while the feeds are at most this many times last run's
+
+
 class OrtSegment:
-    """A SegmentRunner over an onnxruntime session, run in a thread off the event loop."""
+    """A SegmentRunner over an onnxruntime session: in a thread off the event loop, or
+    inline when its last run was short (``INLINE_RUN_S``)."""
 
     def __init__(self, session: object, run_in_thread: bool = True) -> None:
         self._session = session
         self.input_names = tuple(i.name for i in session.get_inputs())  # type: ignore[attr-defined]
         self._output_names = [o.name for o in session.get_outputs()]  # type: ignore[attr-defined]
         self._threaded = run_in_thread
+        self._last_s = float("inf")  # unknown until the first run: that one is threaded
+        self._last_bytes = 0
 
     def run_sync(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # Timed here, not around the thread hand-off: the decision is about the compute.
+        started = time.perf_counter()
         values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
+        self._last_s = time.perf_counter() - started
         return dict(zip(self._output_names, values, strict=True))
 
     async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if not self._threaded:
             return self.run_sync(feeds)
+        size = sum(int(a.nbytes) for a in feeds.values())
+        inline = self._last_s < INLINE_RUN_S and size <= INLINE_GROWTH * max(self._last_bytes, 1)
+        self._last_bytes = size
+        if inline:
+            return self.run_sync(feeds)
         return await asyncio.to_thread(self.run_sync, feeds)
+
+    @property
+    def runs_inline(self) -> bool:
+        """Whether the next run (with feeds no bigger than the last) stays on the loop."""
+        return self._threaded and self._last_s < INLINE_RUN_S
 
 
 class _LocalCollective:

@@ -169,10 +169,10 @@ class Supervised:
         """Let the child end on its own (e.g. when told to leave); it is not restarted."""
         self._stopping.set()
 
-    async def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for ``run`` to end; True if it did."""
+    async def wait_done(self, within: float) -> bool:
+        """Wait up to ``within`` s for ``run`` to end; True if it did."""
         try:
-            await asyncio.wait_for(self._done.wait(), timeout)
+            await asyncio.wait_for(self._done.wait(), within)
         except TimeoutError:
             return False
         return True

@@ -20,7 +20,7 @@ Exchanges (type) -> routing key -> bound queues:
 - shardserve.dead (fanout) -> shardserve.dead-letters.q1
 - the default exchange: <queue name> -> scheduler result queues
   (shardserve.scheduler.results.<scheduler id>), gateway reply queues,
-  shardserve.scheduler.leader (the leadership token, see ``scheduler_leader_queue``)
+  shardserve.scheduler.leader.q2 (the leadership token, see ``scheduler_leader_queue``)
 
 A direct exchange with several queues bound under one key is a multicast: the broker
 copies the bytes, so every rank of a stage receives identical input from ONE publish,
@@ -46,7 +46,9 @@ REQUEST_QUEUE = "shardserve.requests.q1"
 # Prefixes: each scheduler instance has its own control and result queue (``.<id>``).
 SCHEDULER_CONTROL_QUEUE = "shardserve.scheduler.control"
 SCHEDULER_RESULT_QUEUE = "shardserve.scheduler.results"
-SCHEDULER_LEADER_QUEUE = "shardserve.scheduler.leader"
+# ".q2": bounded, with a delivery limit (see ``scheduler_leader_queue``); new arguments,
+# so a new name (see REQUEST_QUEUE).
+SCHEDULER_LEADER_QUEUE = "shardserve.scheduler.leader.q2"
 DEAD_LETTER_QUEUE = "shardserve.dead-letters.q1"  # ".q1": quorum now (see REQUEST_QUEUE)
 
 KEY_AGENT_HELLO = "agent.hello"
@@ -59,6 +61,10 @@ KEY_SCHEDULER_COMMAND = "scheduler.command"
 # Bounded queues: overload becomes a publisher nack (reject-publish), never a silent drop.
 REQUEST_QUEUE_MAX_LENGTH = 10_000
 DEAD_LETTER_MAX_LENGTH = 10_000
+# RabbitMQ 4 gives quorum queues a default delivery limit of 20 (then drops the message);
+# the leadership token is redelivered each time its holder dies or reconnects, so it gets
+# a limit no mesh will reach. (3.x: no default; it takes the argument since 3.8.)
+LEADER_DELIVERY_LIMIT = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -131,11 +137,23 @@ def scheduler_leader_queue() -> Queue:
     """Leadership among schedulers: every scheduler consumes this single-active-consumer
     queue with prefetch 1; the one that receives the token message (and holds it unacked)
     is the active scheduler. When it dies, the broker requeues the token and delivers it
-    to the next consumer, which takes over. Quorum, so it survives a broker node's loss."""
+    to the next consumer, which takes over. Quorum, so it survives a broker node's loss.
+
+    At most one token waits (max-length 1, drop-head; a held, unacked token does not
+    count): a scheduler that holds none and sees none publishes one, so a token lost with
+    a broker's data comes back, and the extra tokens several standbys may publish at once
+    collapse into one. Only the single active consumer ever receives a token, one at a
+    time (prefetch 1), so an extra waiting token never makes a second leader."""
     return Queue(
         SCHEDULER_LEADER_QUEUE,
         durable=True,
-        arguments={"x-queue-type": "quorum", "x-single-active-consumer": True},
+        arguments={
+            "x-queue-type": "quorum",
+            "x-single-active-consumer": True,
+            "x-max-length": 1,
+            "x-overflow": "drop-head",
+            "x-delivery-limit": LEADER_DELIVERY_LIMIT,
+        },
     )
 
 

@@ -168,7 +168,10 @@ async def test_every_datatype_round_trips_as_json(make_gateway: MakeGateway, dat
     out = (await resp.json())["outputs"][0]
     assert (out["datatype"], out["shape"]) == (datatype, [2, 2])
     if datatype == "FP32":
-        assert out["data"] == np.asarray(data, dtype=np.float32).tolist()
+        # Written with the shortest repr that reads back as the same float32 (3e+38 for
+        # float32(3.0e38)), so compare as float32, bit for bit (-0.0 included).
+        sent = np.asarray(data, dtype=np.float32)
+        assert np.asarray(out["data"], dtype=np.float32).tobytes() == sent.tobytes()
     else:
         assert out["data"] == data
 

@@ -15,6 +15,7 @@ import uuid
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from shardserve import codec
 from shardserve.broker import Broker
 from shardserve.collective import CollectiveHub
 from shardserve.protocol import (
@@ -73,16 +74,27 @@ class AgentService:
             stage=loaded.stage.index,
             stage_ranks=loaded.stage.ranks,
             publish=self._publish_part,
+            send_to=self._send_part,
         )
         self._worker = StageWorker(loaded, self._hub, self._publish_result)
         self._registration = Registration(self._broker, loaded, self.instance, self._worker.stats)
         self._accepted = False
 
     async def _publish_part(self, part: CollectivePart) -> None:
-        await self._broker.publish(COLLECTIVE_EXCHANGE, self._key, part)
+        body = await codec.encode_off_loop(part, len(part.tensor.data))
+        await self._broker.publish_raw(COLLECTIVE_EXCHANGE, self._key, body, message_type=part.kind)
+
+    async def _send_part(self, rank: int, part: CollectivePart) -> None:
+        """A part for one peer only (the stage leader), straight to its collective queue."""
+        group = self.loaded.group
+        queue = agent_collective_queue(group.servable, group.version, rank).name
+        body = await codec.encode_off_loop(part, len(part.tensor.data))
+        await self._broker.publish_raw("", queue, body, message_type=part.kind)
 
     async def _publish_result(self, result_to: str, result: StageResult) -> None:
-        await self._broker.publish("", result_to, result)
+        size = sum(len(t.data) for t in (result.outputs or {}).values())
+        body = await codec.encode_off_loop(result, size)
+        await self._broker.publish_raw("", result_to, body, message_type=result.kind)
 
     async def run(self, stop: asyncio.Event) -> None:
         """The service's life; ``stop`` is set by SIGTERM/SIGINT (or a refusal)."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.collective import CollectiveHub, JobCancelledError
@@ -28,6 +29,19 @@ _logger = logging.getLogger(__name__)
 
 ResultPublisher = Callable[[str, StageResult], Awaitable[None]]
 Clock = Callable[[], float]
+
+# Tensors bigger than this are digested and converted in a thread: a 64 MB activation
+# takes hundreds of ms to hash or copy, and the event loop must keep heartbeating.
+OFF_LOOP_BYTES = 1024 * 1024
+
+
+def _tensor_bytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(len(t.data) for t in tensors.values())
+
+
+def _finished_tensors(outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Tensor], str]:
+    tensors = {name: Tensor.from_numpy(array) for name, array in outputs.items()}
+    return tensors, digest_tensors(tensors)
 
 
 @dataclass(frozen=True)
@@ -130,7 +144,7 @@ class StageWorker:
             return self._error(
                 work, ErrorCode.DEADLINE, f"rank {rank}: deadline passed before the stage started"
             )
-        problem = self._check(work)
+        problem = self._check(work) or await self._check_digest(work)
         if problem is not None:
             self._hub.finish(work.job)
             return self._error(work, ErrorCode.INTERNAL, problem)
@@ -149,11 +163,18 @@ class StageWorker:
                 f"rank {rank} serves {group.servable} v{group.version} stage {stage.index}, "
                 f"got work for {work.servable} v{work.version} stage {work.stage}"
             )
-        if digest_tensors(work.inputs) != work.digest:
-            return f"rank {rank}: stage input digest mismatch (inputs corrupted in transit?)"
         missing = [name for name in stage.inputs if name not in work.inputs]
         if missing:
             return f"rank {rank}: stage {stage.index} input(s) {', '.join(missing)} missing"
+        return None
+
+    async def _check_digest(self, work: StageWork) -> str | None:
+        if _tensor_bytes(work.inputs) > OFF_LOOP_BYTES:
+            digest = await asyncio.to_thread(digest_tensors, work.inputs)
+        else:
+            digest = digest_tensors(work.inputs)
+        if digest != work.digest:
+            return f"rank {self._slice.rank}: stage input digest mismatch (corrupted in transit?)"
         return None
 
     async def _run(self, work: StageWork) -> StageResult | None:
@@ -162,7 +183,10 @@ class StageWorker:
         try:
             inputs: Env = {name: work.inputs[name].to_numpy() for name in self._slice.stage.inputs}
             outputs = await run_stage(self._slice.stage, self._slice.runners, inputs, collective)
-            tensors = {name: Tensor.from_numpy(array) for name, array in outputs.items()}
+            if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
+                tensors, digest = await asyncio.to_thread(_finished_tensors, outputs)
+            else:
+                tensors, digest = _finished_tensors(outputs)
         except JobCancelledError as exc:
             _logger.info("%s", exc)
             return None
@@ -185,14 +209,16 @@ class StageWorker:
             total_ms,
             collective.wait_ms,
         )
-        return StageResult(
+        # Built from values made here (not from the wire): no re-validation needed.
+        return StageResult.model_construct(
             job=work.job,
             servable=work.servable,
             version=work.version,
             stage=work.stage,
             rank=self._slice.rank,
-            digest=digest_tensors(tensors),
+            digest=digest,
             outputs=tensors if self._slice.is_leader else None,
+            error=None,
             compute_ms=compute_ms,
             collective_ms=collective.wait_ms,
         )

@@ -16,6 +16,7 @@ length (only when some blob is non-empty, as Triton does).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +29,14 @@ from shardserve.tensors import (
     Tensor,
     unpack_bytes_elements,
 )
+from shardserve_gateway import fast_json
 from shardserve_gateway.json_tensors import (
     array_from_kserve_json,
     element_count,
     parse_shape,
     to_tensor,
 )
-from shardserve_gateway.responses import BINARY_TYPE, JSON_TYPE, dump_json
+from shardserve_gateway.responses import BINARY_TYPE, JSON_TYPE
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 _ONE_SOURCE = (
@@ -76,10 +78,15 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return body[:n], memoryview(body)[n:]
 
 
-def parse_json_object(raw: bytes, what: str = "request body") -> dict[str, Any]:
-    """Parse JSON that must be an object; 400 naming the problem otherwise."""
+def parse_json_object(
+    raw: bytes, what: str = "request body", *, exact: bool = False
+) -> dict[str, Any]:
+    """Parse JSON that must be an object; 400 naming the problem otherwise.
+
+    orjson parses unless ``exact``: the standard library then parses instead (integers
+    beyond 64 bits stay exact integers, where orjson would turn them into floats)."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw) if exact else fast_json.loads(raw)
     except RecursionError:
         raise BadInputError(f"{what} is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -93,6 +100,15 @@ def decode_request(body: bytes, header_length: str | None) -> KServeRequest:
     """Decode an inference request (JSON or JSON + binary tensors)."""
     header, binary = split_body(body, header_length)
     doc = parse_json_object(header)
+    try:
+        return _decode_document(doc, binary)
+    except BadInputError:
+        # Decide refusals exactly as the standard library reads the body (a value orjson
+        # widened to a float must be reported as the integer the client sent).
+        return _decode_document(parse_json_object(header, exact=True), binary)
+
+
+def _decode_document(doc: dict[str, Any], binary: memoryview | None) -> KServeRequest:
     params = _parameters(doc.get("parameters"), "request")
     if "method" in params:
         raise BadInputError(
@@ -261,6 +277,7 @@ def encode_response(
         doc["id"] = request_id
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
+    finite = True
     for name, tensor, binary in outputs:
         entry: dict[str, Any] = {
             "name": name,
@@ -272,9 +289,10 @@ def encode_response(
             blobs.append(tensor.data)
         else:
             entry["data"] = json_data(name, tensor)
+            finite = finite and _finite(entry["data"])
         entries.append(entry)
     doc["outputs"] = entries
-    header = dump_json(doc)
+    header = fast_json.dumps(doc, finite=finite)
     if not any(blobs):
         return EncodedResponse(header, JSON_TYPE, {})
     return EncodedResponse(
@@ -282,11 +300,18 @@ def encode_response(
     )
 
 
-def json_data(name: str, tensor: Tensor) -> list[Any]:
-    """The flat JSON ``data`` of an output (FP16 widened to JSON numbers, BYTES as UTF-8)."""
+def _finite(data: np.ndarray | list[Any]) -> bool:
+    if isinstance(data, np.ndarray):
+        return fast_json.all_finite(data)
+    return all(not isinstance(v, float) or math.isfinite(v) for v in data)
+
+
+def json_data(name: str, tensor: Tensor) -> np.ndarray | list[Any]:
+    """The flat JSON ``data`` of an output: a numeric array orjson writes from numpy (FP16
+    widened to a list of JSON numbers), BYTES as a list of UTF-8 strings."""
     array = tensor.to_numpy()
     if tensor.dtype != BYTES_DTYPE:
-        return list(array.reshape(-1).tolist())
+        return fast_json.json_values(array.reshape(-1))
     try:
         return [bytes(v).decode("utf-8") for v in array.reshape(-1)]
     except UnicodeDecodeError:

@@ -95,6 +95,7 @@ class ChaosMesh:
     http_port: int = field(default_factory=free_port)
     vhost: str | None = None
     proc: subprocess.Popen[bytes] | None = None
+    own_vhost: bool = True  # False: the broker is private to this mesh (no vhost needed)
 
     @property
     def amqp_url(self) -> str:
@@ -123,7 +124,7 @@ class ChaosMesh:
         return repo
 
     def _make_vhost(self) -> None:
-        if not broker_is_local(self.base_amqp_url):
+        if not self.own_vhost or not broker_is_local(self.base_amqp_url):
             return
         vhost = f"shardserve-chaos-{uuid.uuid4().hex[:10]}"
         user = urlsplit(self.base_amqp_url).username or "guest"

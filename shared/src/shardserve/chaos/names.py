@@ -4,7 +4,8 @@ parser from these on every ``shardserve`` run)."""
 from __future__ import annotations
 
 # Full-suite order: faults that leave the mesh running first; the broker restart late
-# (it disturbs every user of the broker); the stop under load ends the mesh, so last.
+# (it runs a private RabbitMQ node and a second mesh on it: slow to set up); the stop
+# under load ends the mesh, so last.
 ALL = (
     "bad-http",
     "malformed-amqp",
@@ -16,5 +17,5 @@ ALL = (
     "broker-restart",
     "drain",
 )
-# CI's fast part: no broker restart (other tests share the broker), no flood, no stop.
+# CI's fast part: no broker restart (a private node takes long to start), no flood, no stop.
 QUICK = ("bad-http", "malformed-amqp", "agent-kill", "agent-stop", "scheduler-kill")

@@ -112,6 +112,6 @@ class Mesh:
 
 
 async def _stop_stragglers(children: list[Supervised], patience: float, grace: float) -> None:
-    waits = await asyncio.gather(*(child.wait(patience) for child in children))
+    waits = await asyncio.gather(*(child.wait_done(patience) for child in children))
     stragglers = [child for child, done in zip(children, waits, strict=True) if not done]
     await asyncio.gather(*(child.stop(grace) for child in stragglers))

@@ -139,15 +139,19 @@ def agent_specs(
     ]
 
 
+def agent_plan(
+    repo: Path, groups: list[GroupConfig], options: UpOptions
+) -> list[tuple[GroupConfig, list[ChildSpec]]]:
+    """The agents of each version found at start (labels name the version only when
+    their servable has several)."""
+    return [(g, agent_specs(repo, g, options, _several_versions(groups, g))) for g in groups]
+
+
 def plan_children(
     repo: Path, groups: list[GroupConfig], options: UpOptions
 ) -> dict[str, list[ChildSpec]]:
     """The processes of a mesh, per tier (scheduler, agents, gateway)."""
-    agents = [
-        spec
-        for g in groups
-        for spec in agent_specs(repo, g, options, _several_versions(groups, g))
-    ]
+    agents = [spec for _, specs in agent_plan(repo, groups, options) for spec in specs]
     schedulers = [
         ChildSpec(
             "scheduler" if options.schedulers == 1 else f"scheduler {index}",

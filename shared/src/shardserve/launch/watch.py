@@ -128,9 +128,8 @@ class RepositoryWatcher:
     def start_listed(self, status: Status) -> None:
         """Start the agents of pending versions the scheduler now serves, and of released
         ones it serves again after having dropped them."""
-        listed = {
-            key for key, entry in listed_versions(status).items() if entry.get("state") != "unloading"
-        }
+        entries = listed_versions(status)
+        listed = {key for key, entry in entries.items() if entry.get("state") != "unloading"}
         for key in sorted(k for k in self.pending if k in listed):
             self._start(self.pending.pop(key), "the scheduler loaded it; starting its agents")
         for key in sorted(k for k, dropped in self.released.items() if dropped and k in listed):

@@ -1,0 +1,126 @@
+"""The scheduler's outbox: executes the core's actions one by one, in the order produced.
+
+One task runs ``ActionSender.run``, so every StageWork leaves from one channel in order
+(every rank of a stage sees jobs in the same order). Besides the core's actions, the
+shell queues two of its own: stop consuming requests (behind the replies of a step-down)
+and tell an agent of an unloaded version to leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardserve import topology
+from shardserve.broker import Broker
+from shardserve.errors import InferenceError
+from shardserve.lifecycle import request_id_var
+from shardserve.protocol import RegistrationVerdict
+from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, RunPython
+
+_logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CancelConsumer:
+    """Stop consuming requests (queued behind the replies of a step-down)."""
+
+    consumer_tag: str
+
+
+@dataclass(frozen=True)
+class SendVerdict:
+    """Tell an agent of an unloaded version to leave."""
+
+    verdict: RegistrationVerdict
+
+
+Outgoing = Action | CancelConsumer | SendVerdict
+
+
+class ActionSender:
+    """Owns the outbox queue; ``run`` drains it until ``close``."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        publish_failed: Callable[[str, str], None],
+        start_python: Callable[[RunPython], None],
+        is_active: Callable[[], bool],
+    ) -> None:
+        self._broker = broker
+        self._publish_failed_job = publish_failed
+        self._start_python = start_python
+        self._is_active = is_active
+        self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
+
+    def put(self, item: Outgoing) -> None:
+        self._outbox.put_nowait(item)
+
+    def close(self) -> None:
+        """``run`` finishes what is queued, then ends."""
+        self._outbox.put_nowait(None)
+
+    async def run(self) -> None:
+        while (item := await self._outbox.get()) is not None:
+            await self._execute(item)
+
+    async def _execute(self, item: Outgoing) -> None:
+        if isinstance(item, SendVerdict):
+            await self._send_verdict(item.verdict)
+        elif isinstance(item, RunPython):
+            self._start_python(item)
+        elif isinstance(item, CancelConsumer):
+            await self._cancel(item.consumer_tag)
+        elif isinstance(item, Log):
+            token = request_id_var.set(item.request_id)
+            _logger.log(item.level, "%s", item.message)
+            request_id_var.reset(token)
+        else:
+            try:
+                await self._publish(item)
+            except InferenceError as exc:
+                self._publish_failed(item, exc)
+
+    async def _cancel(self, consumer_tag: str) -> None:
+        try:
+            await self._broker.cancel(consumer_tag)
+        except Exception as exc:  # the consumer died with the old connection anyway
+            _logger.debug("could not cancel the request consumer: %s", exc)
+
+    async def _publish(self, action: PublishStageWork | Reply | Cancel) -> None:
+        broker = self._broker
+        if isinstance(action, PublishStageWork):
+            work = action.work
+            await broker.publish(
+                topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
+            )
+        elif isinstance(action, Reply):
+            await broker.publish(
+                "", action.reply_to, action.reply, correlation_id=action.correlation_id
+            )
+        else:
+            await broker.publish(topology.CONTROL_EXCHANGE, action.routing_key, action.cancel)
+
+    def _publish_failed(self, action: Action, exc: InferenceError) -> None:
+        if isinstance(action, PublishStageWork):
+            _logger.warning("could not publish job %s: %s", action.work.job, exc)
+            self._publish_failed_job(action.work.job, exc.message)
+        elif isinstance(action, Reply):
+            token = request_id_var.set(action.reply.id)
+            _logger.warning("reply to %s lost (the gateway is gone?): %s", action.reply_to, exc)
+            request_id_var.reset(token)
+        else:
+            _logger.warning("could not publish a job cancel: %s", exc)
+
+    async def _send_verdict(self, verdict: RegistrationVerdict) -> None:
+        if not self._is_active():
+            return  # the active scheduler tells the agents
+        key = topology.agent_control_key(verdict.instance)
+        try:
+            await self._broker.publish(topology.CONTROL_EXCHANGE, key, verdict, confirm=True)
+        except InferenceError as exc:
+            _logger.warning("could not tell %s to leave: %s", verdict.instance, exc)

@@ -1,0 +1,97 @@
+"""``shardserve up`` (run a whole mesh here, supervised) and ``shardserve status`` (its
+rank x stage grid); the work is done by ``shardserve.launcher`` and ``shardserve.launch``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shardserve.commands.common import positive_int
+
+if TYPE_CHECKING:
+    from shardserve.commands.common import Subparsers
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from shardserve.launch.plan import UpOptions
+    from shardserve.launcher import run_up
+
+    options = UpOptions(
+        repository=args.repository,
+        host=args.host,
+        http_port=args.http_port,
+        wait_agents_seconds=args.wait_agents_seconds,
+        threads=args.threads,
+        no_cache=args.no_cache,
+        grace_seconds=args.grace_seconds,
+        schedulers=args.schedulers,
+        repository_poll_seconds=args.repository_poll_seconds,
+    )
+    return run_up(options)
+
+
+def build_up(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser(
+        "up", help="run scheduler, gateway and one agent per rank of a repository, supervised"
+    )
+    parser.add_argument(
+        "repository",
+        type=Path,
+        nargs="?",
+        default=None,
+        metavar="REPO",
+        help="model repository (default: the matmul demo, exported on first use)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--http-port", type=int, default=8080)
+    parser.add_argument("--wait-agents-seconds", type=float, default=0.0)
+    parser.add_argument("--threads", type=positive_int, default=1, help="onnxruntime threads")
+    parser.add_argument("--no-cache", action="store_true", help="agents skip the session cache")
+    parser.add_argument(
+        "--schedulers",
+        type=positive_int,
+        default=1,
+        help="scheduler processes: one active, the others standby, taking over when it dies",
+    )
+    parser.add_argument(
+        "--repository-poll-seconds",
+        type=_non_negative_float,
+        default=2.0,
+        help="look for added/removed version folders this often: a new one gets its "
+        "agents, a removed one loses them (default 2; 0 = read the repository once)",
+    )
+    parser.add_argument(
+        "--grace-seconds",
+        type=float,
+        default=15.0,
+        help="per tier on stop: wait this long after SIGTERM, then SIGKILL",
+    )
+    parser.set_defaults(handler=_run_up)
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value:g}")
+    return value
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from shardserve.launch.status import StatusUnavailable, fetch_status, format_status
+
+    try:
+        status = fetch_status(args.url, timeout=args.timeout)
+    except StatusUnavailable as exc:
+        print(f"shardserve status: {exc}", file=sys.stderr)
+        return 1
+    print(format_status(status))
+    return 0
+
+
+def build_status(subparsers: Subparsers) -> None:
+    parser = subparsers.add_parser("status", help="show every servable's rank x stage grid")
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.set_defaults(handler=_run_status)

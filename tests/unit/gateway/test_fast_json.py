@@ -1,0 +1,75 @@
+"""orjson on the tensor path, with the standard library deciding wherever the two differ."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardserve.errors import BadInputError
+from shardserve.tensors import Tensor
+from shardserve_gateway import fast_json
+from shardserve_gateway.kserve_codec import decode_request, encode_response
+
+
+def _request(datatype: str, data: str) -> bytes:
+    entry = f'{{"name":"x","shape":[2],"datatype":"{datatype}","data":{data}}}'
+    return f'{{"inputs":[{entry}]}}'.encode()
+
+
+def test_loads_falls_back_to_the_standard_library_for_nan_and_huge_numbers() -> None:
+    assert np.isnan(fast_json.loads(b"[NaN]")[0])
+    assert fast_json.loads(b"[1e400]") == [float("inf")]
+    assert fast_json.loads(b'{"a": [1, 2.5]}') == {"a": [1, 2.5]}
+
+
+def test_float32_outputs_read_back_as_the_same_float32_bits() -> None:
+    values = np.random.default_rng(3).standard_normal(4096).astype(np.float32)
+    values[:3] = [-0.0, np.float32(1e-45), np.finfo(np.float32).max]
+    body = encode_response(
+        model_name="m",
+        model_version=None,
+        request_id=None,
+        outputs=[("y", Tensor.from_numpy(values), False)],
+    ).body
+    back = np.asarray(json.loads(body)["outputs"][0]["data"], dtype=np.float32)
+    assert back.tobytes() == values.tobytes()
+
+
+def test_non_finite_outputs_are_written_as_before() -> None:
+    values = np.asarray([np.nan, np.inf, 1.5], dtype=np.float32)
+    body = encode_response(
+        model_name="m",
+        model_version=None,
+        request_id="r",
+        outputs=[("y", Tensor.from_numpy(values), False)],
+    ).body
+    assert b'"data":[NaN,Infinity,1.5]' in body
+
+
+def test_nan_inputs_are_still_accepted() -> None:
+    parsed = decode_request(_request("FP32", "[NaN, -Infinity]"), None)
+    array = parsed.inputs["x"].to_numpy()
+    assert np.isnan(array[0]) and array[1] == -np.inf
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "problem"),
+    [
+        ("INT64", f"[0, {2**64}]", "INT64 data holds values outside"),
+        ("UINT64", f"[0, {2**70}]", "UINT64 data holds values outside"),
+        ("INT64", f"[0, {-(2**63) - 1}]", "INT64 data holds values outside"),
+    ],
+)
+def test_integers_beyond_64_bits_are_refused_with_the_exact_reason(
+    datatype: str, data: str, problem: str
+) -> None:
+    # orjson turns these into floats; the refusal must name the range, not "not integers".
+    with pytest.raises(BadInputError, match=problem):
+        decode_request(_request(datatype, data), None)
+
+
+def test_integer_limits_stay_exact() -> None:
+    parsed = decode_request(_request("UINT64", f"[0, {2**64 - 1}]"), None)
+    assert parsed.inputs["x"].to_numpy().tolist() == [0, 2**64 - 1]
