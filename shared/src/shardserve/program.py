@@ -82,6 +82,7 @@ def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarra
 # matters (heartbeats are 1 s apart). Anything slower, or fed much more data than last
 # time (a bigger batch), goes to a thread so the loop keeps serving.
 INLINE_RUN_S = 0.001
+INLINE_WALL_S = 0.05  # wall time beyond which CPU time is not trusted (other threads)
 INLINE_GROWTH = 2  # inline only while the feeds are at most this many times last run's
 
 
@@ -99,9 +100,12 @@ class OrtSegment:
 
     def run_sync(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         # Timed here, not around the thread hand-off: the decision is about the compute.
-        started = time.perf_counter()
+        # CPU time of this thread, so a busy machine preempting us does not count; a long
+        # wall time on little CPU (onnxruntime's own threads working) still counts.
+        wall, cpu = time.perf_counter(), time.thread_time()
         values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
-        self._last_s = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        self._last_s = cpu if wall < INLINE_WALL_S else wall
         return dict(zip(self._output_names, values, strict=True))
 
     async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -88,6 +88,22 @@ class Catalog:
             del self.servables[key[0]]
 
 
+def log_catalog(catalog: Catalog) -> None:
+    """One line per served version, at start."""
+    for servable in catalog.servables.values():
+        for version, entry in sorted(servable.versions.items()):
+            group = entry.group
+            methods = ", ".join(sorted(entry.methods)) or "none"
+            _logger.info(
+                "%s v%d: rank_size %d, stage_size %d, methods: %s",
+                servable.name,
+                version,
+                group.rank_size,
+                group.stage_size,
+                methods,
+            )
+
+
 def load_catalog(repo: Path) -> Catalog:
     """Read every servable of the repository; problems are logged at ERROR, never raised."""
     if not repo.is_dir():

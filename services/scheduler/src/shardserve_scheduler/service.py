@@ -54,7 +54,7 @@ from shardserve.protocol import (
     StageResult,
 )
 from shardserve_scheduler.actions import Action, RunPython, error_reply
-from shardserve_scheduler.catalog import Catalog, load_catalog
+from shardserve_scheduler.catalog import Catalog, load_catalog, log_catalog
 from shardserve_scheduler.leadership import Leadership
 from shardserve_scheduler.pystages import run_python_task
 from shardserve_scheduler.registry import Registry
@@ -132,7 +132,7 @@ class SchedulerService:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._log_catalog()
+        log_catalog(self.catalog)
         await self.broker.connect()
         try:
             await self._declare()
@@ -222,20 +222,6 @@ class SchedulerService:
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_seconds)
         self._closing = True
         self._emit(self.machine.shutdown(SHUTDOWN_MESSAGE, self.clock()))
-
-    def _log_catalog(self) -> None:
-        for servable in self.catalog.servables.values():
-            for version, entry in sorted(servable.versions.items()):
-                group = entry.group
-                methods = ", ".join(sorted(entry.methods)) or "none"
-                _logger.info(
-                    "%s v%d: rank_size %d, stage_size %d, methods: %s",
-                    servable.name,
-                    version,
-                    group.rank_size,
-                    group.stage_size,
-                    methods,
-                )
 
     # ------------------------------------------------------------------ consumers
 

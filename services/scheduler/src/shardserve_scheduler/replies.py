@@ -1,0 +1,95 @@
+"""Ending instances and requests: exactly one Reply per request.
+
+Each instance has its own outcome (InstanceResult); when every instance failed with the
+same error the reply carries that one error instead, as MindSpore does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from shardserve.errors import ErrorCode
+from shardserve.protocol import ErrorInfo, InferReply, InstanceResult
+from shardserve_scheduler.actions import Action, Log, Reply, error_reply
+from shardserve_scheduler.jobs import RequestState, VersionStats, collapsed_error
+from shardserve_scheduler.machine_state import MachineState
+
+
+class Replies(MachineState):
+    """Instance and request outcomes."""
+
+    def _instance_done(
+        self, state: RequestState, index: int, result: InstanceResult, now: float
+    ) -> list[Action]:
+        state.instances[index].outcome = result
+        state.instances[index].chunks = []
+        if state.open_instances:
+            return []
+        return self._reply(state, now)
+
+    def _fail_instance(
+        self, state: RequestState, index: int, code: ErrorCode, message: str, now: float
+    ) -> list[Action]:
+        result = InstanceResult(error=ErrorInfo(code=code, message=message))
+        state.instances[index].outcome = result
+        state.instances[index].chunks = []
+        prefix = f"instance {index} " if len(state.instances) > 1 else "request "
+        level = logging.INFO if code == ErrorCode.BAD_INPUT else logging.WARNING
+        actions: list[Action] = [
+            Log(level, f"{prefix}failed ({code.value}): {message}", state.call.request.id)
+        ]
+        actions += self._prune(state, now)
+        if not state.open_instances:
+            actions += self._reply(state, now)
+        return actions
+
+    def _reply(self, state: RequestState, now: float) -> list[Action]:
+        call = state.call
+        results = [i.outcome for i in state.instances if i.outcome is not None]
+        error = collapsed_error(results)
+        reply = InferReply(
+            id=call.request.id,
+            servable=call.group.servable,
+            version=call.group.version,
+            method=call.request.method,
+            instances=() if error else tuple(results),
+            error=error,
+        )
+        failed = any(r.error is not None for r in results)
+        self._close(state, failed)
+        return [self._count_reply(Reply(call.reply_to, call.correlation_id, reply))]
+
+    def _fail_request(
+        self, state: RequestState, code: ErrorCode, message: str, now: float
+    ) -> list[Action]:
+        """Reply one error to a whole request and drop every job only it still needs."""
+        call = state.call
+        reply = error_reply(
+            call.request,
+            call.reply_to,
+            call.correlation_id,
+            code,
+            message,
+            version=call.group.version,
+        )
+        level = (
+            logging.INFO if code in (ErrorCode.DEADLINE, ErrorCode.UNAVAILABLE) else logging.WARNING
+        )
+        self._close(state, failed=True)
+        actions: list[Action] = [
+            self._count_reply(reply),
+            Log(level, f"request failed ({code.value}): {message}", call.request.id),
+        ]
+        return actions + self._prune(state, now)
+
+    def _close(self, state: RequestState, failed: bool) -> None:
+        del self.requests[state.key]
+        if failed:
+            self.counters.failed += 1
+            self.stats.setdefault(state.call.lane_key, VersionStats()).errors_total += 1
+        else:
+            self.counters.succeeded += 1
+
+    def _count_reply(self, reply: Reply) -> Reply:
+        self.counters.replied += 1
+        return reply

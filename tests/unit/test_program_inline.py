@@ -1,0 +1,62 @@
+"""OrtSegment runs short segments inline on the event loop, long or grown ones in a thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from shardserve.program import OrtSegment
+
+
+class FakeSession:
+    """Records the thread each run happens in; ``busy_s`` of CPU work per run."""
+
+    def __init__(self, busy_s: float) -> None:
+        self.busy_s = busy_s
+        self.threads: list[int] = []
+
+    def get_inputs(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name="x")]
+
+    def get_outputs(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(name="y")]
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        self.threads.append(threading.get_ident())
+        end = time.thread_time() + self.busy_s
+        while time.thread_time() < end:
+            pass
+        return [feeds["x"] * 2]
+
+
+async def test_a_short_segment_runs_inline_after_its_first_threaded_run() -> None:
+    session = FakeSession(busy_s=0.0)
+    segment = OrtSegment(session)
+    x = np.ones(4, np.float32)
+    for _ in range(3):
+        assert (await segment.run({"x": x}))["y"].tolist() == [2.0] * 4
+    loop_thread = threading.get_ident()
+    assert session.threads[0] != loop_thread  # unknown cost: threaded
+    assert session.threads[1:] == [loop_thread, loop_thread]
+
+
+async def test_a_long_segment_stays_in_a_thread() -> None:
+    session = FakeSession(busy_s=0.005)
+    segment = OrtSegment(session)
+    x = np.ones(4, np.float32)
+    for _ in range(3):
+        await segment.run({"x": x})
+    assert threading.get_ident() not in session.threads
+
+
+async def test_much_bigger_feeds_go_back_to_a_thread() -> None:
+    session = FakeSession(busy_s=0.0)
+    segment = OrtSegment(session)
+    await segment.run({"x": np.ones(4, np.float32)})
+    await segment.run({"x": np.ones(4, np.float32)})
+    await segment.run({"x": np.ones(4000, np.float32)})  # a bigger batch: cost unknown
+    loop_thread = threading.get_ident()
+    assert [t == loop_thread for t in session.threads] == [False, True, False]
