@@ -53,23 +53,7 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
         await main(stop)
 
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as loop_runner:
-            loop_runner.run(runner())
+        asyncio.run(runner())
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-EVENT_LOOP_ENV = "SHARDSERVE_EVENT_LOOP"
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop when ``SHARDSERVE_EVENT_LOOP=uvloop``, else asyncio's own loop (None)."""
-    choice = os.environ.get(EVENT_LOOP_ENV, "asyncio")
-    if choice == "asyncio":
-        return None
-    if choice != "uvloop":
-        raise ValueError(f"{EVENT_LOOP_ENV} must be asyncio or uvloop, got {choice!r}")
-    import uvloop
-
-    return uvloop.new_event_loop  # type: ignore[no-any-return]

@@ -29,11 +29,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
+from shardserve import codec, topology
 from shardserve.broker import Broker
 from shardserve.errors import (
     BadInputError,
@@ -190,16 +190,27 @@ class AmqpDispatcher:
             raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _publish(self, request: InferRequest, correlation_id: str) -> None:
+        props: dict[str, Any] = dict(
+            correlation_id=correlation_id,
+            reply_to=self._queue.name,
+            deadline=request.deadline,
+            confirm=True,
+        )
+        size = sum(len(t.data) for instance in request.instances for t in instance.values())
         try:
-            await self._broker.publish(
-                topology.REQUESTS_EXCHANGE,
-                request.servable,
-                request,
-                correlation_id=correlation_id,
-                reply_to=self._queue.name,
-                deadline=request.deadline,
-                confirm=True,
-            )
+            if size <= codec.OFF_LOOP_BYTES:
+                await self._broker.publish(
+                    topology.REQUESTS_EXCHANGE, request.servable, request, **props
+                )
+            else:  # packing tens of MB would stall every other request: in a thread
+                body = await codec.encode_off_loop(request, size)
+                await self._broker.publish_raw(
+                    topology.REQUESTS_EXCHANGE,
+                    request.servable,
+                    body,
+                    message_type=request.kind,
+                    **props,
+                )
         except OverloadedError as exc:
             raise OverloadedError(f"overloaded: {exc.message}") from exc
         except UnavailableError as exc:
