@@ -173,11 +173,17 @@ def test_concurrent_requests_are_batched_and_answered_right(mesh: Any) -> None:
         np.testing.assert_allclose(
             body["instances"][0]["probs"], softmax(reference(x, 0)), atol=1e-5
         )
+    # The status is broadcast about once a second: wait for one taken after the batches.
+    def counted() -> bool:
+        now = version_status(mesh, 1) or before
+        return bool(now["batched_instances_total"] - before["batched_instances_total"] >= len(xs))
+
+    wait_for("batch counters", counted, mesh, timeout=15)
     after = version_status(mesh, 1)
     assert after is not None
     batches = after["batches_total"] - before["batches_total"]
     members = after["batched_instances_total"] - before["batched_instances_total"]
-    assert members == len(xs)
+    assert members == len(xs), after
     assert 1 <= batches < len(xs), (batches, members)
 
 

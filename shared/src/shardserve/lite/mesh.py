@@ -110,7 +110,11 @@ class RunMesh:
         self._url = broker_settings.url
         self._broker = Broker(broker_settings, f"run-{run}-r{rank}")
         self.hub = CollectiveHub(
-            rank=rank, stage=self.stage.index, stage_ranks=self.stage.ranks, publish=self._part
+            rank=rank,
+            stage=self.stage.index,
+            stage_ranks=self.stage.ranks,
+            publish=self._part,
+            send_to=self._send_part,
         )
         self._seen: set[int] = {rank}
         self._inputs: dict[str, StageWork] = {}
@@ -293,6 +297,10 @@ class RunMesh:
 
     async def _part(self, part: CollectivePart) -> None:
         await self._broker.publish(COLLECTIVE_EXCHANGE, run_key_stage(self.run, part.stage), part)
+
+    async def _send_part(self, rank: int, part: CollectivePart) -> None:
+        """A part for one peer only (the stage leader): straight to its run queue."""
+        await self._broker.publish("", run_queue(self.run, rank).name, part)
 
     async def _on_message(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         if isinstance(message, CollectivePart):
