@@ -33,6 +33,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     export_matmul(root, rank_size=2, strategy="column", version=1)
     export_matmul(root, rank_size=2, strategy="row", version=2)
     export_matmul(root, rank_size=4, stage_size=2, version=3)
+    export_matmul(root, rank_size=4, strategy="row", version=4)
     return root
 
 
@@ -83,6 +84,14 @@ def test_two_ranks_print_the_answer(repo: Path, env: dict[str, str], version: in
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, err
         assert f"rank {rank}: {Y_REPORT}" in out
+        assert f"rank {rank}: {Y_VALUES}" in out
+
+
+def test_four_ranks_reduce_through_the_stage_leader(repo: Path, env: dict[str, str]) -> None:
+    """4 ranks in one stage: the allreduce goes to rank 0 and back (the leader algorithm)."""
+    results = finish(start_ranks(repo / "matmul" / "4", [0, 1, 2, 3], env))
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, err
         assert f"rank {rank}: {Y_VALUES}" in out
 
 
