@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from shardserve.localmesh import LocalMesh, MeshError, base_amqp_url, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_SRC = ROOT / "services" / "agent" / "src"
@@ -139,17 +139,6 @@ def bench_cache(work: Path) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
 def _infer(url: str, x: np.ndarray) -> np.ndarray:
     body = {
         "inputs": [
@@ -198,52 +187,28 @@ def _capped_whole(repo: Path) -> None:
 
 
 def _capped_mesh(repo: Path, work: Path, reference: Any) -> None:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (work / "mesh.log").open("wb")
-    up = Path(sys.executable).parent / "shardserve"
-    mesh = subprocess.Popen(
-        [str(up), "up", str(repo), "--http-port", str(port)],
-        env=_env(SHARDSERVE_AGENT_MAX_MEMORY_MB=str(CAP_MB), PYTHONUNBUFFERED="1"),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # every agent reads the cap from its environment
+    capped = {"PYTHONPATH": _env()["PYTHONPATH"], "SHARDSERVE_AGENT_MAX_MEMORY_MB": str(CAP_MB)}
+    mesh = LocalMesh(repo, base_amqp_url(), free_port(), work / "mesh.log", (), capped)
+    mesh.start()
     try:
-        _wait_ready(url, mesh)
+        try:
+            mesh.wait_ready(300.0)
+        except MeshError as exc:
+            raise SystemExit(f"mesh not ready: {exc}") from exc
         x = np.random.default_rng(1).standard_normal((4, 1024)).astype(np.float32)
-        y = _infer(url, x)
+        y = _infer(mesh.http_url, x)
         want = _run_reference(reference, x)
         print(f"  rank_size 8: answer max |error| vs unsliced model {np.abs(y - want).max():.2e}")
         time.sleep(2)  # a fresh heartbeat after the request
-        for servable in _get(url + "/api/status")["servables"]:
+        for servable in mesh.status()["servables"]:
             for r in sorted(servable["ranks"], key=lambda r: r["rank"]):
                 print(
                     f"    rank {r['rank']}: slice {_rank_mb(repo, r['rank']):5.1f} MB, agent "
                     f"RSS {r['rss_bytes'] / MIB:5.0f} MB, jobs {r.get('jobs_done', 0)}"
                 )
     finally:
-        mesh.send_signal(signal.SIGTERM)
-        try:
-            mesh.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(mesh.pid, signal.SIGKILL)
-        log.close()
-
-
-def _wait_ready(url: str, mesh: subprocess.Popen[bytes], within_s: float = 300.0) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if mesh.poll() is not None:
-            raise SystemExit("shardserve up exited early; see mesh.log")
-        try:
-            with urllib.request.urlopen(url + "/v2/health/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"mesh not ready after {within_s:.0f} s; see mesh.log")
+        mesh.stop()
 
 
 def _run_reference(model: Any, x: np.ndarray) -> np.ndarray:

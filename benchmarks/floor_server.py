@@ -4,9 +4,12 @@ What a minimal single-process server costs for the same request body the mesh ge
 JSON (or binary-extension) decode, one ``session.run`` on the unsliced model, encode.
 No broker, no validation beyond what decoding needs. The mesh is compared against it.
 JSON goes through the gateway's own ``fast_json`` (orjson), so the floor ratio measures
-the mesh's overhead, not a difference of JSON parsers.
+the mesh's overhead, not a difference of JSON parsers. ``--json stdlib`` uses Python's
+``json`` module instead (``tolist()`` out), what a plain single-process server does: the
+``floor-stdlib`` scenario, a second, less flattering reference.
 
     python -m benchmarks.floor_server --model MODEL.onnx --port 8500 [--threads 1]
+        [--json fast|stdlib]
 
 Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
 """
@@ -14,6 +17,7 @@ Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ from shardserve_gateway import fast_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SESSION_KEY = web.AppKey("session", ort.InferenceSession)
+STDLIB_KEY = web.AppKey("stdlib_json", bool)
 
 
 def load_session(model: Path, threads: int) -> ort.InferenceSession:
@@ -37,10 +42,12 @@ def load_session(model: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
 
 
-def decode_inputs(body: bytes, header_length: str | None) -> tuple[dict[str, np.ndarray], bool]:
+def decode_inputs(
+    body: bytes, header_length: str | None, stdlib: bool = False
+) -> tuple[dict[str, np.ndarray], bool]:
     """(inputs, binary_output) from a KServe v2 JSON or binary-extension body."""
     json_end = len(body) if header_length is None else int(header_length)
-    doc = fast_json.loads(body[:json_end])
+    doc = json.loads(body[:json_end]) if stdlib else fast_json.loads(body[:json_end])
     offset = json_end
     inputs: dict[str, np.ndarray] = {}
     for spec in doc["inputs"]:
@@ -57,7 +64,7 @@ def decode_inputs(body: bytes, header_length: str | None) -> tuple[dict[str, np.
 
 
 def encode_outputs(
-    model: str, outputs: dict[str, np.ndarray], binary: bool
+    model: str, outputs: dict[str, np.ndarray], binary: bool, stdlib: bool = False
 ) -> tuple[bytes, dict[str, str]]:
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -72,11 +79,14 @@ def encode_outputs(
             blob = np.ascontiguousarray(array).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
+        elif stdlib:
+            entry["data"] = array.reshape(-1).tolist()
         else:
             entry["data"] = fast_json.json_values(array.reshape(-1))
             finite = finite and fast_json.all_finite(array)
         entries.append(entry)
-    header = fast_json.dumps({"model_name": model, "outputs": entries}, finite=finite)
+    doc = {"model_name": model, "outputs": entries}
+    header = json.dumps(doc).encode() if stdlib else fast_json.dumps(doc, finite=finite)
     if not blobs:
         return header, {"Content-Type": "application/json"}
     headers = {"Content-Type": "application/octet-stream", HEADER_LENGTH: str(len(header))}
@@ -84,13 +94,13 @@ def encode_outputs(
 
 
 async def infer(request: web.Request) -> web.Response:
-    session = request.app[SESSION_KEY]
+    session, stdlib = request.app[SESSION_KEY], request.app[STDLIB_KEY]
     body = await request.read()
-    inputs, binary = decode_inputs(body, request.headers.get(HEADER_LENGTH))
+    inputs, binary = decode_inputs(body, request.headers.get(HEADER_LENGTH), stdlib)
     names = [o.name for o in session.get_outputs()]
     values = session.run(names, inputs)
     outputs = dict(zip(names, values, strict=True))
-    data, headers = encode_outputs(request.match_info["model"], outputs, binary)
+    data, headers = encode_outputs(request.match_info["model"], outputs, binary, stdlib)
     return web.Response(body=data, headers=headers)
 
 
@@ -98,9 +108,12 @@ async def ready(request: web.Request) -> web.Response:
     return web.Response(body=b'{"ready":true}', content_type="application/json")
 
 
-def create_app(model: Path, threads: int = 1, max_body_mb: int = 256) -> web.Application:
+def create_app(
+    model: Path, threads: int = 1, max_body_mb: int = 256, stdlib_json: bool = False
+) -> web.Application:
     app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
     app[SESSION_KEY] = load_session(model, threads)
+    app[STDLIB_KEY] = stdlib_json
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_post("/v2/models/{model}/infer", infer)
     return app
@@ -112,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8500)
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
+    parser.add_argument(
+        "--json",
+        choices=("fast", "stdlib"),
+        default="fast",
+        help="JSON library: the gateway's (orjson) or Python's json module",
+    )
     args = parser.parse_args(argv)
-    web.run_app(create_app(args.model, args.threads), host=args.host, port=args.port, print=None)
+    app = create_app(args.model, args.threads, stdlib_json=args.json == "stdlib")
+    web.run_app(app, host=args.host, port=args.port, print=None)
     return 0
 
 

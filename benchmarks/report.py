@@ -65,28 +65,40 @@ def per_hop_ms(results: dict[str, Any]) -> tuple[float | None, float | None]:
     return mesh, raw
 
 
-def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
+def floor_ratios(results: dict[str, Any], floor: str = "floor") -> list[Ratio]:
+    """The issue's three ratios against one floor: ``floor`` (JSON by orjson, like the
+    gateway) or ``floor-stdlib`` (Python's json module, what a plain server does)."""
     r = results
-    mesh_hop, raw_hop = per_hop_ms(r)
+    label = "floor" if floor == "floor" else f"{floor} (Python json)"
     return [
         Ratio(
-            "mesh rank1 JSON c32 / floor JSON c32 (req/s)",
-            _div(_get(r, "mesh1.json.c32", "rps"), _get(r, "floor.json.c32", "rps")),
+            f"mesh rank1 JSON c32 / {label} JSON c32 (req/s)",
+            _div(_get(r, "mesh1.json.c32", "rps"), _get(r, f"{floor}.json.c32", "rps")),
             ">= 0.8",
             "throughput the mesh keeps of a single-process server",
         ),
         Ratio(
-            "mesh rank1 c1 p50 - floor c1 p50 (ms, JSON)",
-            _sub(_get(r, "mesh1.json.c1", "p50_ms"), _get(r, "floor.json.c1", "p50_ms")),
+            f"mesh rank1 c1 p50 - {label} c1 p50 (ms, JSON)",
+            _sub(_get(r, "mesh1.json.c1", "p50_ms"), _get(r, f"{floor}.json.c1", "p50_ms")),
             "<= 1.5",
             "latency the broker path adds to one request",
         ),
         Ratio(
-            "mesh rank1 binary c32 / floor JSON c32 (req/s)",
-            _div(_get(r, "mesh1.binary.c32", "rps"), _get(r, "floor.json.c32", "rps")),
+            f"mesh rank1 binary c32 / {label} JSON c32 (req/s)",
+            _div(_get(r, "mesh1.binary.c32", "rps"), _get(r, f"{floor}.json.c32", "rps")),
             ">= 3",
             "binary tensors vs the JSON floor",
         ),
+    ]
+
+
+def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
+    r = results
+    mesh_hop, raw_hop = per_hop_ms(r)
+    stdlib = floor_ratios(r, "floor-stdlib") if "floor-stdlib.json.c32" in r else []
+    return [
+        *floor_ratios(r),
+        *stdlib,
         Ratio(
             "mesh cost per broker hop / raw one-hop",
             _div(mesh_hop, raw_hop),

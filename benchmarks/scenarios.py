@@ -29,12 +29,11 @@ from benchmarks.meshes import (
     CpuMeter,
     Mesh,
     broker_pid,
-    free_port,
-    rss_bytes,
     running_mesh,
     running_module,
     service_pids,
 )
+from shardserve.localmesh import free_port, rss_bytes
 
 MATMUL_IN_BYTES = 128 * 96 * 4
 MATMUL_OUT_BYTES = 128 * 16 * 4
@@ -211,14 +210,24 @@ def direct(run: Run) -> None:
 
 
 def floor(run: Run) -> None:
-    """The floor server (aiohttp + onnxruntime, one process) on the unsliced matmul."""
+    """The floor server (aiohttp + onnxruntime, one process) on the unsliced matmul,
+    parsing JSON with the gateway's library (orjson)."""
+    _floor(run, "floor", "fast")
+
+
+def floor_stdlib(run: Run) -> None:
+    """The same floor server with Python's json module: what a plain server does."""
+    _floor(run, "floor-stdlib", "stdlib")
+
+
+def _floor(run: Run, prefix: str, json_lib: str) -> None:
     port = free_port()
-    args = ["--model", str(matmul_reference(run)), "--port", str(port)]
+    args = ["--model", str(matmul_reference(run)), "--port", str(port), "--json", json_lib]
     ready = f"http://127.0.0.1:{port}/v2/health/ready"
     with running_module("benchmarks.floor_server", args, run.logs, ready, {}) as server:
         url = f"http://127.0.0.1:{port}/v2/models/matmul/infer"
         pids = {"floor": server.pid}
-        load_matrix(run, "floor", url, full_points(run), matmul_input(), pids)
+        load_matrix(run, prefix, url, full_points(run), matmul_input(), pids)
 
 
 def broker(run: Run) -> None:
@@ -437,6 +446,7 @@ def loaded_from_log(text: str) -> list[tuple[float, str]]:
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "direct": direct,
     "floor": floor,
+    "floor-stdlib": floor_stdlib,
     "broker": broker,
     "mesh1": mesh1,
     "tp8": tp8,

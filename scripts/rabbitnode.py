@@ -19,6 +19,7 @@ from pathlib import Path
 
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 START_TIMEOUT_S = 90.0
+DIST_PORT_OFFSET = 20000  # a node's Erlang distribution port is its AMQP port + this
 
 
 class NodeError(Exception):
@@ -38,6 +39,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def port_pair_free(port: int, host: str = "127.0.0.1") -> bool:
+    """A node could use AMQP ``port``: it and its distribution port are both free."""
+    for candidate in (port, port + DIST_PORT_OFFSET):
+        with socket.socket() as s:
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                return False
+    return True
 
 
 @dataclass
@@ -64,7 +76,7 @@ class RabbitNode:
 
     @property
     def dist_port(self) -> int:
-        return self.port + 20000
+        return self.port + DIST_PORT_OFFSET
 
     def url(self, user: str = "guest", password: str = "guest") -> str:
         return f"amqp://{user}:{password}@{self.listen}:{self.port}/"

@@ -8,21 +8,14 @@ its own vhost, so meshes, schedulers and leftovers of one test never see another
 
 from __future__ import annotations
 
-import os
-import shutil
 import socket
-import subprocess
-import uuid
 from collections.abc import Iterator
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import pytest
 
-from shardserve.settings import AMQP_URL_ENV, DEFAULT_AMQP_URL
-
-
-def base_amqp_url() -> str:
-    return os.environ.get(AMQP_URL_ENV, DEFAULT_AMQP_URL)
+from shardserve.localmesh import base_amqp_url, isolated_vhost
+from shardserve.settings import AMQP_URL_ENV
 
 
 def _broker_reachable(url: str) -> bool:
@@ -46,31 +39,8 @@ def amqp_url() -> str:
     return url
 
 
-def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
-
-
-def _can_make_vhosts(url: str) -> bool:
-    host = urlsplit(url).hostname
-    return shutil.which("rabbitmqctl") is not None and host in ("127.0.0.1", "localhost")
-
-
-def with_vhost(url: str, vhost: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path="/" + quote(vhost, safe="")))
-
-
 @pytest.fixture(scope="module")
 def isolated_amqp_url(amqp_url: str) -> Iterator[str]:
     """A fresh vhost for one test module (or the shared URL where vhosts cannot be made)."""
-    if not _can_make_vhosts(amqp_url):
-        yield amqp_url
-        return
-    vhost = f"shardserve-test-{uuid.uuid4().hex[:10]}"
-    user = urlsplit(amqp_url).username or "guest"
-    _rabbitmqctl("add_vhost", vhost)
-    _rabbitmqctl("set_permissions", "-p", vhost, user, ".*", ".*", ".*")
-    try:
-        yield with_vhost(amqp_url, vhost)
-    finally:
-        _rabbitmqctl("delete_vhost", vhost)
+    with isolated_vhost(amqp_url, "shardserve-test") as url:
+        yield url

@@ -29,7 +29,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from loadcheck import all_close, infer_body, one_request  # noqa: E402
-from rabbitnode import NodeError, RabbitNode, rabbit_available  # noqa: E402
+from rabbitnode import NodeError, RabbitNode, port_pair_free, rabbit_available  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -39,20 +39,10 @@ OUTAGE_S = 4.0
 RECOVER_WITHIN_S = 30.0
 
 
-def _pair_free(port: int) -> bool:
-    for candidate in (port, port + 20000):  # AMQP port and Erlang distribution port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                return False
-    return True
-
-
 def _node_port() -> int:
     start = random.randrange(5900, 6400)
     for port in range(start, start + 200):
-        if _pair_free(port):
+        if port_pair_free(port):
             return port
     pytest.skip("no free port pair for a private RabbitMQ node")
 

@@ -9,7 +9,6 @@ answer) and the mesh must serve again on the surviving nodes.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +18,14 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "rabbit-cluster"
+sys.path.insert(0, str(SCRIPT.parent))
+from rabbitnode import port_pair_free  # noqa: E402
+
 EXIT_SKIP = 77
 
 
-def _free(port: int) -> bool:
-    for candidate in (port, port + 20000):  # AMQP port and Erlang distribution port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                return False
-    return True
-
-
 def _three_ports() -> list[int]:
-    ports = [p for p in range(5700, 5900) if _free(p)][:3]
+    ports = [p for p in range(5700, 5900) if port_pair_free(p)][:3]
     if len(ports) < 3:
         pytest.skip("no three free ports in 5700-5899 for the cluster nodes")
     return ports

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -169,3 +170,34 @@ def wait_for(probe: Any, status: int, timeout: float) -> tuple[int, Any]:
             return last
         time.sleep(0.2)
     raise AssertionError(f"expected status {status} within {timeout}s, last {last}")
+
+
+def metric_value(mesh: Any, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + " ") or line.startswith(name + "{")
+    )
+
+
+async def test_malformed_amqp_is_dead_lettered_and_counted(mesh_matmul8: Any) -> None:
+    import aio_pika
+
+    from shardserve import topology
+
+    before = metric_value(mesh_matmul8, "shardserve_dead_lettered_total")
+    connection = await aio_pika.connect(mesh_matmul8.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(topology.REQUESTS_EXCHANGE)
+        for body in (b"\xc1 not msgpack", b"\x81\xa1v\x63"):  # bad bytes; schema version 99
+            await exchange.publish(aio_pika.Message(body), routing_key="matmul")
+    deadline = time.monotonic() + 15
+    while metric_value(mesh_matmul8, "shardserve_dead_lettered_total") < before + 2:
+        assert time.monotonic() < deadline, "dead letters were not counted"
+        await asyncio.sleep(0.3)
+    assert mesh_matmul8.get("/v2/health/ready")[0] == 200  # the consumer kept running

@@ -173,6 +173,7 @@ def test_concurrent_requests_are_batched_and_answered_right(mesh: Any) -> None:
         np.testing.assert_allclose(
             body["instances"][0]["probs"], softmax(reference(x, 0)), atol=1e-5
         )
+
     # The status is broadcast about once a second: wait for one taken after the batches.
     def counted() -> bool:
         now = version_status(mesh, 1) or before

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -53,21 +52,11 @@ def _load_rabbitnode() -> ModuleType:
 rabbitnode = _load_rabbitnode()
 
 
-def _port_pair_free(port: int) -> bool:
-    for candidate in (port, port + 20000):  # AMQP port and Erlang distribution port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                return False
-    return True
-
-
 def _node_port() -> int:
     candidates = list(range(6000, 6200))
     random.shuffle(candidates)  # parallel runs rarely race for the same port
     for port in candidates:
-        if _port_pair_free(port):
+        if rabbitnode.port_pair_free(port):
             return port
     pytest.skip("no free port pair in 6000-6199 (+20000) for the TLS RabbitMQ node")
 

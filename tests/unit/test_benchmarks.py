@@ -119,10 +119,14 @@ def tiny_model(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("stdlib", [False, True], ids=["fast-json", "stdlib-json"])
 @pytest.mark.parametrize("kind", ["json", "binary"])
-async def test_floor_server_answers_the_demo_model(tiny_model: Path, kind: str) -> None:
+async def test_floor_server_answers_the_demo_model(
+    tiny_model: Path, kind: str, stdlib: bool
+) -> None:
     body = make_body(kind, {"x": np.ones((128, 96), dtype=np.float32)})
-    async with TestClient(TestServer(floor_server.create_app(tiny_model))) as client:
+    app = floor_server.create_app(tiny_model, stdlib_json=stdlib)
+    async with TestClient(TestServer(app)) as client:
         assert (await client.get("/v2/health/ready")).status == 200
         response = await client.post(
             "/v2/models/matmul/infer", data=body.data, headers=body.headers
@@ -154,7 +158,20 @@ def test_ratios_from_results() -> None:
     assert ratios["mesh cost per broker hop / raw one-hop"].value == pytest.approx(1.0)
     assert ratios["agent (RSS - overhead) / slice weights"].value == pytest.approx(70 / 64)
     assert ratios["TP8 JSON c32 / mesh rank1 JSON c32 (req/s)"].passed is None  # not measured
+    assert not any("floor-stdlib" in name for name in ratios)  # that floor was not run
     assert "n/a" in render(results, list(ratios.values()), ["a note"])
+
+
+def test_ratios_against_the_stdlib_floor_too() -> None:
+    results = {
+        "floor.json.c32": {"rps": 200.0, "p50_ms": 20.0, "requests": 10},
+        "floor-stdlib.json.c32": {"rps": 100.0, "p50_ms": 40.0, "requests": 10},
+        "mesh1.json.c32": {"rps": 90.0, "p50_ms": 25.0, "requests": 10},
+    }
+    ratios = {r.name: r.value for r in compute_ratios(results)}
+    assert ratios["mesh rank1 JSON c32 / floor JSON c32 (req/s)"] == pytest.approx(0.45)
+    stdlib = "mesh rank1 JSON c32 / floor-stdlib (Python json) JSON c32 (req/s)"
+    assert ratios[stdlib] == pytest.approx(0.9)
 
 
 def test_ratio_verdicts() -> None:
@@ -173,7 +190,8 @@ def test_write_json(tmp_path: Path) -> None:
 
 
 def test_every_documented_scenario_is_registered() -> None:
-    expected = {"direct", "floor", "broker", "mesh1", "tp8", "pp16", "batching", "pipeline"}
+    expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
+    expected |= {"pipeline"}
     assert expected | {"memory", "large", "cache"} == set(SCENARIOS)
 
 

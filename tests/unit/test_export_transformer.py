@@ -191,3 +191,13 @@ def test_servable_config_declares_the_layout(tmp_path: Path) -> None:
     assert definition.model.with_batch_dim
     method = definition.methods["predict"]
     assert method.input_names == ("input_ids",) and method.output_names == ("logits",)
+
+
+def test_input_ids_carry_vocab_and_sequence_bounds(tmp_path: Path) -> None:
+    """group.json bounds the token ids and the sequence length the exported model can take."""
+    export_transformer(tmp_path, rank_size=2, stage_size=1, **SIZE)
+    (spec,) = load_group(tmp_path, "transformer", 1).inputs
+    assert (spec.min_value, spec.max_value) == (0, SIZE["vocab"] - 1)
+    assert spec.max_shape == (-1, SIZE["max_seq"])
+    (logits,) = load_group(tmp_path, "transformer", 1).outputs
+    assert logits.min_value is None and logits.max_shape is None

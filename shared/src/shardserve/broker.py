@@ -33,6 +33,7 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractQueue,
 )
+from aiormq import spec
 
 from shardserve import chunking, codec
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
@@ -221,22 +222,33 @@ class Broker:
         """Publish bytes as they are (already encoded)."""
         if not self.publishable:
             raise UnavailableError("message broker is unreachable")
+        # Straight to the channel's aiormq layer with prebuilt properties: an
+        # ``aio_pika.Message`` costs ~80 us to build (its properties ~2 us), paid on every
+        # hop; ``Exchange.publish`` does nothing more than this call.
         target = (self._confirm_exchanges if confirm else self._exchanges)[exchange]
+        channel = self._confirm if confirm else self._publish
+        assert channel is not None
         expiration = _expiration(deadline)
         try:
+            underlay = await channel.get_underlay_channel()
             # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.chunking).
             for part, headers in chunking.split(body, chunking.max_message_bytes()):
-                msg = aio_pika.Message(
-                    part,
-                    headers=headers or None,
+                properties = spec.Basic.Properties(
                     content_type=codec.CONTENT_TYPE,
+                    headers=headers or None,
+                    delivery_mode=1,
                     correlation_id=correlation_id,
                     reply_to=reply_to,
                     expiration=expiration,
-                    type=message_type,
+                    message_type=message_type,
                 )
-                await target.publish(
-                    msg, routing_key, mandatory=confirm, timeout=self._settings.publish_timeout_s
+                await underlay.basic_publish(
+                    part,
+                    exchange=target.name,
+                    routing_key=routing_key,
+                    properties=properties,
+                    mandatory=confirm,
+                    timeout=self._settings.publish_timeout_s,
                 )
         except aio_pika.exceptions.DeliveryError as exc:
             raise _delivery_error(exc, exchange, routing_key) from exc
@@ -352,13 +364,12 @@ async def _close_quietly(channel: AbstractChannel) -> None:
         _logger.debug("channel close failed: %s", exc)
 
 
-def _expiration(deadline: float | None) -> float | None:
-    """Per-message TTL from an absolute deadline, so late work dies in the queue.
-
-    aio-pika takes a number as seconds (and sends milliseconds on the wire)."""
+def _expiration(deadline: float | None) -> str | None:
+    """Per-message TTL from an absolute deadline, so late work dies in the queue: the
+    wire form, whole milliseconds as text (at least 1)."""
     if deadline is None:
         return None
-    return max(0.001, deadline - time.time())
+    return str(max(1, int((deadline - time.time()) * 1000)))
 
 
 def _delivery_error(exc: Any, exchange: str, key: str) -> Exception:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from shardserve.errors import ErrorCode
 from shardserve.tensors import Tensor
@@ -227,13 +227,32 @@ class JobCancel(_Message):
 
 
 class TensorSpec(BaseModel):
-    """Name, KServe datatype and shape (-1 = any size) of a servable input or output."""
+    """Name, KServe datatype and shape (-1 = any size) of a servable input or output.
+
+    The optional bounds let a dynamic-shape model refuse input values it cannot handle
+    (e.g. a token id past the vocabulary) before any work reaches the agents.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    min_value: float | None = None  # inclusive lower bound on every element (numeric inputs)
+    max_value: float | None = None  # inclusive upper bound on every element (numeric inputs)
+    max_shape: tuple[int, ...] | None = None  # per-dimension upper bound, -1 = unbounded
+
+    @model_validator(mode="after")
+    def _consistent_bounds(self) -> TensorSpec:
+        if self.max_shape is not None and len(self.max_shape) != len(self.shape):
+            raise ValueError(
+                f"{self.name}: max_shape {list(self.max_shape)} and shape {list(self.shape)} "
+                "differ in rank"
+            )
+        low, high = self.min_value, self.max_value
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{self.name}: min_value {self.min_value} > max_value {self.max_value}")
+        return self
 
 
 class RankStatus(BaseModel):

@@ -202,6 +202,9 @@ def load_servable_config(path: Path) -> ServableDefinition:
         runpy.run_path(str(path), run_name=f"shardserve_servable_{path.parent.name}")
     except SyntaxError as exc:
         raise ServableConfigError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from exc
+    except SystemExit as exc:  # a config must not end the scheduler that loads it
+        line = _config_line(exc, path)
+        raise ServableConfigError(f"{path}:{line}: called sys.exit({exc.code!r})") from exc
     except Exception as exc:
         raise ServableConfigError(f"{path}:{_config_line(exc, path)}: {exc}") from exc
     finally:

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.compile_cache import CACHE_MODES, CacheMode
-from shardserve.settings import BrokerSettings
+from shardserve.settings import (
+    BrokerSettings,
+    env_default,
+    env_flag,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 ENV_PREFIX = "SHARDSERVE_AGENT_"
 
@@ -75,27 +82,6 @@ class AgentSettings:
         return self.cache_dir or self.default_cache_dir(version)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def _cache_mode(text: str) -> CacheMode:
     for mode in CACHE_MODES:
         if text == mode:
@@ -103,19 +89,12 @@ def _cache_mode(text: str) -> CacheMode:
     raise ValueError(f"unknown cache mode {text!r}")
 
 
-def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(ENV_PREFIX + name)
-    if raw is None:
-        return default
-    return raw.strip().lower() in ("1", "true", "yes", "on")
-
-
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The agent's command line; every option defaults from SHARDSERVE_AGENT_<OPTION>."""
     env = os.environ if environ is None else environ
 
     def default(name: str) -> str | None:
-        return env.get(ENV_PREFIX + name)
+        return env_default(env, ENV_PREFIX, name)
 
     parser = argparse.ArgumentParser(
         prog="shardserve_agent",
@@ -143,20 +122,20 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add(
         "--version",
-        type=_positive_int,
+        type=positive_int,
         default=default("VERSION"),
         help="servable version (default: the highest in the repository)",
     )
     add(
         "--rank",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=rank_default,
         required=rank_default is None,
         help="the rank this agent serves",
     )
     add(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=default("THREADS") or 1,
         help="onnxruntime intra-op threads per session (default 1)",
     )
@@ -165,7 +144,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--no-cache",
         dest="use_cache",
         action="store_false",
-        default=_env_bool(env, "CACHE", True),
+        default=env_flag(env, ENV_PREFIX, "CACHE", True),
         help="do not use the compile cache",
     )
     add(
@@ -177,13 +156,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add(
         "--share-weights",
         action=argparse.BooleanOptionalAction,
-        default=_env_bool(env, "SHARE_WEIGHTS", True),
+        default=env_flag(env, ENV_PREFIX, "SHARE_WEIGHTS", True),
         help=SHARE_WEIGHTS_HELP,
     )
-    add("--max-memory-mb", type=_positive_int, default=default("MAX_MEMORY_MB"), help=MEMORY_HELP)
+    add("--max-memory-mb", type=positive_int, default=default("MAX_MEMORY_MB"), help=MEMORY_HELP)
     add(
         "--heartbeat-interval",
-        type=_positive_float,
+        type=positive_float,
         default=default("HEARTBEAT_INTERVAL") or 1.0,
         help="seconds between heartbeats",
     )

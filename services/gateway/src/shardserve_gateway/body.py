@@ -16,8 +16,16 @@ import zlib
 from aiohttp import web
 
 from shardserve.errors import BadInputError
-from shardserve_gateway.errors import PayloadTooLargeError, UnsupportedEncodingError
+from shardserve_gateway.errors import (
+    BodyTimeoutError,
+    ClientGoneError,
+    PayloadTooLargeError,
+    UnsupportedEncodingError,
+)
 
+# A body that has not fully arrived by then belongs to a stalled or hostile client; the
+# connection and its buffers are released with a 408 instead of being held forever.
+BODY_TIMEOUT_S = 30.0
 ACCEPTED_ENCODINGS = frozenset({"", "identity", "gzip", "x-gzip", "deflate"})
 
 
@@ -28,16 +36,23 @@ def check_content_encoding(request: web.Request) -> None:
         raise UnsupportedEncodingError(encoding)
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
+async def read_body(
+    request: web.Request, limit: int, body_timeout_s: float = BODY_TIMEOUT_S
+) -> bytes:
     """The whole (decompressed) body, or PayloadTooLargeError naming the limit."""
     check_content_encoding(request)
     declared = request.content_length
     if declared is not None and declared > limit:
         raise PayloadTooLargeError(limit)
     try:
-        raw = await request.read()
+        async with asyncio.timeout(body_timeout_s):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLargeError(limit) from None
+    except TimeoutError:
+        raise BodyTimeoutError(body_timeout_s) from None
+    except (ConnectionResetError, ConnectionError):
+        raise ClientGoneError() from None
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if not _still_compressed(raw, encoding):  # identity, or inflated by aiohttp already
         return raw

@@ -2,7 +2,8 @@
 
 Inference outcomes use ``shardserve.errors.InferenceError`` (its ``status`` gives the
 HTTP status). ``HttpError`` covers what happens before a request is even understood:
-401 no/bad token, 413 body too large, 415 unknown content encoding.
+401 no/bad token, 408 body not received in time, 413 body too large, 415 unknown content
+encoding, and a client that went away mid-body (logged, never answered).
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ class UnsupportedEncodingError(HttpError):
             f"unsupported Content-Encoding {encoding!r}; use gzip, deflate or identity",
             {"Accept-Encoding": "gzip, deflate"},
         )
+
+
+class BodyTimeoutError(HttpError):
+    """The client did not send its whole body in time (a stalled or slowloris upload)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"request body not received within {seconds:g} s")
+
+
+class ClientGoneError(HttpError):
+    """The client closed the connection before its body arrived: nobody to answer."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "client closed the connection while sending its request")
 
 
 def _mib(n: int) -> str:

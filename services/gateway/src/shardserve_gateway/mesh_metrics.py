@@ -27,7 +27,7 @@ Per rank (``servable``, ``version``, ``rank``, ``stage``):
   shardserve_rank_load_seconds                  time the agent took to load its slice
   shardserve_rank_inflight                      jobs the agent is running
 Mesh-wide:
-  shardserve_dead_lettered_total                messages the scheduler dead-lettered
+  shardserve_dead_lettered_total                messages in the dead-letter queue (all services)
   shardserve_request_queue_depth                requests waiting in the request queue
 """
 

@@ -13,7 +13,7 @@ from aiohttp.typedefs import Handler
 
 from shardserve.errors import ErrorCode, InferenceError
 from shardserve.lifecycle import request_id_var
-from shardserve_gateway.errors import HttpError
+from shardserve_gateway.errors import ClientGoneError, HttpError
 from shardserve_gateway.responses import error_response
 from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY, TIMESERIES_KEY
 
@@ -80,6 +80,9 @@ async def translate_errors(request: web.Request, handler: Handler) -> web.Stream
         _log_error(exc.status, exc.message)
         retry = {"Retry-After": "1"} if exc.code == ErrorCode.OVERLOADED else None
         return _error(request, exc.status, exc.message, exc.code, headers=retry)
+    except ClientGoneError as exc:
+        _logger.info("%s %s: %s", request.method, request.path, exc.message)
+        return _error(request, exc.status, exc.message)  # nobody reads it; aiohttp drops it
     except HttpError as exc:
         _log_error(exc.status, exc.message)
         return _error(request, exc.status, exc.message, headers=exc.headers)

@@ -16,21 +16,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.settings import BrokerSettings
+from shardserve.settings import BrokerSettings, env_default, env_flag
 
 ENV_PREFIX = "SHARDSERVE_GATEWAY_"
 MAX_TIMEOUT_S = 300.0
 
 
 def _env(environ: Mapping[str, str], name: str, default: str) -> str:
-    return environ.get(ENV_PREFIX + name, default)
-
-
-def _env_bool(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = environ.get(ENV_PREFIX + name)
-    if raw is None:
-        return default
-    return raw.strip().lower() in ("1", "true", "yes", "on")
+    return env_default(environ, ENV_PREFIX, name, default)
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -71,7 +64,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(
         "--open-health",
         action=argparse.BooleanOptionalAction,
-        default=_env_bool(env, "OPEN_HEALTH", True),
+        default=env_flag(env, ENV_PREFIX, "OPEN_HEALTH", True),
         help="serve /v2/health/* and /metrics without a token",
     )
     p.add_argument("--tls-cert", default=_env(env, "TLS_CERT", "") or None)

@@ -364,13 +364,15 @@ class SchedulerService:
                 await self._publish_status()
 
     async def _publish_status(self) -> None:
+        dead, waiting = await self._queue_depths()
         status = mesh_status(
             self.settings.scheduler_id,
             self.catalog,
             self.registry,
             self.machine,
             self.clock(),
-            dead_lettered=self.dead_lettered_requests,
+            dead_lettered=dead,
+            request_queue_depth=waiting,
         )
         try:
             await self.broker.publish(
@@ -378,6 +380,16 @@ class SchedulerService:
             )
         except InferenceError as exc:
             _logger.warning("could not publish the mesh status: %s", exc)
+
+    async def _queue_depths(self) -> tuple[int, int]:
+        """Dead letters of every service (they all share one dead-letter queue) and requests
+        waiting; when the broker cannot say, what this scheduler counted itself."""
+        try:
+            dead = await self.broker.ready_count(topology.DEAD_LETTER_QUEUE)
+            waiting = await self.broker.ready_count(topology.REQUEST_QUEUE)
+        except InferenceError:
+            return self.dead_lettered_requests + self.broker.dead_lettered, 0
+        return dead, waiting
 
     # ------------------------------------------------------------------ actions
 

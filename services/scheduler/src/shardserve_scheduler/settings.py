@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.settings import BrokerSettings
+from shardserve.settings import (
+    BrokerSettings,
+    env_default,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 ENV_PREFIX = "SHARDSERVE_SCHEDULER_"
 
@@ -45,40 +52,12 @@ class SchedulerSettings:
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The scheduler's command line; every option defaults from SHARDSERVE_SCHEDULER_<OPTION>."""
     env = os.environ if environ is None else environ
 
     def default(name: str, fallback: object = None) -> object:
-        return env.get(ENV_PREFIX + name, fallback)
+        return env_default(env, ENV_PREFIX, name, fallback)
 
     parser = argparse.ArgumentParser(
         prog="shardserve_scheduler",
@@ -97,19 +76,19 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add(
         "--wait-agents-seconds",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=default("WAIT_AGENTS_SECONDS", 0),
         help=WAIT_AGENTS_HELP,
     )
     add(
         "--heartbeat-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=default("HEARTBEAT_TIMEOUT", 3.0),
         help="seconds without heartbeat after which a rank is lost (default 3)",
     )
     add(
         "--max-inflight",
-        type=_positive_int,
+        type=positive_int,
         default=default("MAX_INFLIGHT", 64),
         help="model jobs (batches) in flight per servable version, across all its pipeline "
         "stages; more wait in a FIFO of 10x this, beyond which requests are refused as "
@@ -118,39 +97,39 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add(
         "--status-interval",
-        type=_positive_float,
+        type=positive_float,
         default=default("STATUS_INTERVAL", 1.0),
         help="seconds between MeshStatus broadcasts (default 1)",
     )
     add(
         "--drain-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=default("DRAIN_SECONDS", 10.0),
         help="on SIGTERM, how long in-flight requests may take to finish (default 10)",
     )
     add(
         "--max-batch-delay-ms",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=default("MAX_BATCH_DELAY_MS", 2.0),
         help="how long a batch may wait to fill before it is sent (default 2; 0 = send "
         "what arrived with each event)",
     )
     add(
         "--max-batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=default("MAX_BATCH_SIZE", 32),
         help="rows per model run for with_batch_dim servables without a fixed batch dim "
         "(default 32; 1 disables batching: one job per instance)",
     )
     add(
         "--python-workers",
-        type=_positive_int,
+        type=positive_int,
         default=default("PYTHON_WORKERS", 4),
         help="threads running Python pre/post-processing stages (default 4)",
     )
     add(
         "--repository-poll-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=default("REPOSITORY_POLL_SECONDS", 2.0),
         help="rescan the repository this often for added/removed version folders "
         "(default 2; 0 = only on a RepositoryCommand 'load')",

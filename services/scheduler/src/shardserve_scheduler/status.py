@@ -29,6 +29,7 @@ def mesh_status(
     now: float,
     *,
     dead_lettered: int = 0,
+    request_queue_depth: int = 0,
 ) -> MeshStatus:
     servables = [
         _version_status(servable, entry, catalog, registry, load, now)
@@ -36,7 +37,11 @@ def mesh_status(
         for _, entry in sorted(servable.versions.items())
     ]
     return MeshStatus(
-        scheduler=scheduler, time=now, servables=tuple(servables), dead_lettered=dead_lettered
+        scheduler=scheduler,
+        time=now,
+        servables=tuple(servables),
+        dead_lettered=dead_lettered,
+        request_queue_depth=request_queue_depth,
     )
 
 

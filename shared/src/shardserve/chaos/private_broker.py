@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -37,20 +36,10 @@ def _rabbitnode() -> ModuleType:
     return module
 
 
-def _pair_free(port: int) -> bool:
-    for candidate in (port, port + 20000):  # AMQP port and Erlang distribution port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                return False
-    return True
-
-
-def _free_port() -> int:
+def _free_port(rabbitnode: ModuleType) -> int:
     start = random.randrange(6400, 7000)
     for port in range(start, start + 300):
-        if _pair_free(port):
+        if rabbitnode.port_pair_free(port):
             return port
     raise NoPrivateBroker("no free port pair for a private RabbitMQ node")
 
@@ -62,7 +51,7 @@ def start_node(base: Path) -> Any:
     reason = rabbitnode.rabbit_available()
     if reason is not None:
         raise NoPrivateBroker(reason)
-    node = rabbitnode.RabbitNode(base, f"sschaos-{random.randrange(10**6)}", _free_port())
+    node = rabbitnode.RabbitNode(base, f"sschaos-{random.randrange(10**6)}", _free_port(rabbitnode))
     try:
         node.start()
     except rabbitnode.NodeError as exc:

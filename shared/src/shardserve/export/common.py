@@ -9,11 +9,12 @@ servable_config.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,19 +157,11 @@ def write_version(
     check_servable_name(plan.servable, plan.version)
     check_layout(plan.rank_size, plan.stage_size)
     servable_dir = out / plan.servable
-    final = servable_dir / str(plan.version)
-    if final.exists() and not overwrite:
-        raise ExportError(f"{final} already exists; choose another version or remove it")
-    staging = servable_dir / f".export-{plan.version}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)  # ours, left by an interrupted export
-    staging.mkdir(parents=True)
-    try:
+    with staged_version(servable_dir, plan.version, overwrite=overwrite) as staging:
         group = _write_version_files(staging, plan, segments_for_rank, progress)
-        _replace_dir(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     write_text_atomic(servable_dir / SERVABLE_CONFIG_FILE, servable_config_text(plan))
-    _report(progress, f"wrote {final} ({plan.rank_size} ranks, {plan.stage_size} stages)")
+    final = servable_dir / str(plan.version)
+    report_progress(progress, f"wrote {final} ({plan.rank_size} ranks, {plan.stage_size} stages)")
     return group
 
 
@@ -184,10 +177,18 @@ def _write_version_files(
         spec = write_rank(folder, rank, rank // per_stage, segments)
         ranks.append(spec)
         size = sum((folder / f"rank_{rank}" / n).stat().st_size for n in spec.files)
-        _report(
+        report_progress(
             progress, f"rank {rank}/{plan.rank_size}: wrote {', '.join(spec.files)} ({size} bytes)"
         )
-    group = GroupConfig(
+    group = group_config(plan, ranks)
+    write_group(folder, group)
+    write_rank_table(folder, plan.rank_size)
+    return group
+
+
+def group_config(plan: ExportPlan, ranks: Sequence[RankSpec]) -> GroupConfig:
+    """group.json's content: ``plan`` and the ranks written for it."""
+    return GroupConfig(
         servable=plan.servable,
         version=plan.version,
         rank_size=plan.rank_size,
@@ -196,16 +197,10 @@ def _write_version_files(
         outputs=plan.outputs,
         with_batch_dim=plan.with_batch_dim,
         max_batch_size=plan.max_batch_size,
-        stages=stages,
+        stages=plan.stage_specs(),
         ranks=tuple(ranks),
         origin=dict(plan.origin),
     )
-    write_group(folder, group)
-    write_text_atomic(
-        folder / RANK_TABLE_FILE,
-        json.dumps(rank_table(plan.rank_size), indent=2, sort_keys=True) + "\n",
-    )
-    return group
 
 
 def _check_program_files(
@@ -260,6 +255,31 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def staged_version(
+    servable_dir: Path, version: int, *, overwrite: bool = False, tag: str = "export"
+) -> Iterator[Path]:
+    """A scratch folder for ``servable_dir/<version>`` that takes its place when the block
+    ends without an error (renamed into place: a reader never sees half a version). An
+    existing version is refused unless ``overwrite``."""
+    final = servable_dir / str(version)
+    if final.exists() and not overwrite:
+        raise ExportError(f"{final} already exists; choose another version or remove it")
+    staging = servable_dir / f".{tag}-{version}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # ours, left by an interrupted run
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        _replace_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_rank_table(version_folder: Path, rank_size: int) -> None:
+    text = json.dumps(rank_table(rank_size), indent=2, sort_keys=True) + "\n"
+    write_text_atomic(version_folder / RANK_TABLE_FILE, text)
+
+
 def _replace_dir(staging: Path, final: Path) -> None:
     """Move ``staging`` to ``final``; an old ``final`` is moved aside first, then removed."""
     old = final.with_name(f".{final.name}.old")
@@ -270,7 +290,7 @@ def _replace_dir(staging: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _report(progress: Progress | None, line: str) -> None:
+def report_progress(progress: Progress | None, line: str) -> None:
     if progress is not None:
         progress(line)
 
@@ -290,11 +310,15 @@ __all__ = [
     "check_layout",
     "check_servable_name",
     "finish_model",
+    "group_config",
     "model_bytes",
+    "report_progress",
     "servable_config_text",
     "split_range",
     "stage_ranks",
+    "staged_version",
     "write_rank",
+    "write_rank_table",
     "write_text_atomic",
     "write_version",
 ]

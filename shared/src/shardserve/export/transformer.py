@@ -316,6 +316,19 @@ def reference_model(
     return build_rank(shape, values, layout, 0).segments["segment0.onnx"]
 
 
+def token_ids_spec(vocab: int, max_seq: int) -> TensorSpec:
+    """``input_ids`` [batch, seq]: ids past the vocabulary or sequences past the position table
+    would fail inside the agents' Gather/Add, so the signature refuses them up front."""
+    return TensorSpec(
+        name="input_ids",
+        datatype="INT64",
+        shape=(-1, -1),
+        min_value=0,
+        max_value=vocab - 1,
+        max_shape=(-1, max_seq),
+    )
+
+
 def export_transformer(
     out: Path,
     *,
@@ -348,7 +361,7 @@ def export_transformer(
         version=version,
         rank_size=rank_size,
         stage_size=stage_size,
-        inputs=(TensorSpec(name="input_ids", datatype="INT64", shape=(-1, -1)),),
+        inputs=(token_ids_spec(vocab, max_seq),),
         outputs=(TensorSpec(name="logits", datatype="FP32", shape=(-1, -1, vocab)),),
         stage_io=stage_io,
         with_batch_dim=True,

@@ -10,9 +10,6 @@ included, is listed in the RankSpec with its sha256.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,31 +20,31 @@ from onnx import external_data_helper
 from shardserve.errors import ExportError
 from shardserve.export.common import (
     ExportPlan,
+    Progress,
     StagePlan,
     check_layout,
     check_servable_name,
+    group_config,
     model_bytes,
+    report_progress,
     servable_config_text,
+    staged_version,
+    write_rank_table,
     write_text_atomic,
 )
 from shardserve.protocol import TensorSpec
 from shardserve.repository import (
-    RANK_TABLE_FILE,
     SERVABLE_CONFIG_FILE,
     GroupConfig,
     ProgramOp,
     RankSpec,
-    StageSpec,
     rank_checksum,
-    rank_table,
     sha256_file,
     write_group,
 )
 
 # protobuf refuses messages of 2 GiB and more; leave room for the graph itself.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -85,13 +82,7 @@ def write_slices(
     check_servable_name(layout.servable, layout.version)
     per_stage = check_layout(layout.rank_size, layout.stage_size)
     servable_dir = out / layout.servable
-    final = servable_dir / str(layout.version)
-    if final.exists():
-        raise ExportError(f"{final} already exists; choose another version or remove it")
-    staging = servable_dir / f".slice-{layout.version}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)  # ours, left by an interrupted run
-    staging.mkdir(parents=True)
-    try:
+    with staged_version(servable_dir, layout.version, tag="slice") as staging:
         programs: list[tuple[ProgramOp, ...]] = []
         ranks: list[RankSpec] = []
         for rank in range(layout.rank_size):
@@ -99,22 +90,20 @@ def write_slices(
             programs.append(_same_program(programs, piece, rank, per_stage))
             spec = _write_rank(staging, rank, rank // per_stage, piece, external_threshold)
             ranks.append(spec)
-            _say(
+            report_progress(
                 progress,
                 f"rank {rank}/{layout.rank_size} (stage {spec.stage}): "
                 f"{', '.join(sorted(spec.files))}",
             )
-        group = _group(layout, programs, ranks, per_stage)
+        plan = _plan(layout, [programs[s * per_stage] for s in range(layout.stage_size)])
+        group = group_config(plan, ranks)
         write_group(staging, group)
-        write_text_atomic(
-            staging / RANK_TABLE_FILE,
-            json.dumps(rank_table(layout.rank_size), indent=2, sort_keys=True) + "\n",
-        )
-        os.replace(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    write_text_atomic(servable_dir / SERVABLE_CONFIG_FILE, servable_config_text(_plan(layout)))
-    _say(progress, f"wrote {final} ({layout.rank_size} ranks, {layout.stage_size} stages)")
+        write_rank_table(staging, layout.rank_size)
+    write_text_atomic(servable_dir / SERVABLE_CONFIG_FILE, servable_config_text(plan))
+    final = servable_dir / str(layout.version)
+    report_progress(
+        progress, f"wrote {final} ({layout.rank_size} ranks, {layout.stage_size} stages)"
+    )
     return group
 
 
@@ -168,39 +157,12 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return sum(t.ByteSize() for t in model.graph.initializer)
 
 
-def _group(
-    layout: SliceLayout,
-    programs: Sequence[tuple[ProgramOp, ...]],
-    ranks: Sequence[RankSpec],
-    per_stage: int,
-) -> GroupConfig:
+def _plan(layout: SliceLayout, programs: Sequence[tuple[ProgramOp, ...]]) -> ExportPlan:
+    """The ExportPlan of a layout whose stages run ``programs`` (one per stage)."""
     stages = tuple(
-        StageSpec(
-            index=s,
-            ranks=tuple(range(s * per_stage, (s + 1) * per_stage)),
-            inputs=ins,
-            outputs=outs,
-            program=programs[s * per_stage],
-        )
-        for s, (ins, outs) in enumerate(layout.stage_io)
+        StagePlan(ins, outs, program)
+        for (ins, outs), program in zip(layout.stage_io, programs, strict=True)
     )
-    return GroupConfig(
-        servable=layout.servable,
-        version=layout.version,
-        rank_size=layout.rank_size,
-        stage_size=layout.stage_size,
-        inputs=layout.inputs,
-        outputs=layout.outputs,
-        with_batch_dim=layout.with_batch_dim,
-        stages=stages,
-        ranks=tuple(ranks),
-        origin=dict(layout.origin),
-    )
-
-
-def _plan(layout: SliceLayout) -> ExportPlan:
-    """The ExportPlan view of a layout, for export.common's servable_config.py text."""
-    stages = tuple(StagePlan(ins, outs, ()) for ins, outs in layout.stage_io)
     return ExportPlan(
         servable=layout.servable,
         version=layout.version,
@@ -210,9 +172,5 @@ def _plan(layout: SliceLayout) -> ExportPlan:
         outputs=layout.outputs,
         stages=stages,
         with_batch_dim=layout.with_batch_dim,
+        origin=layout.origin,
     )
-
-
-def _say(progress: Progress | None, line: str) -> None:
-    if progress is not None:
-        progress(line)
