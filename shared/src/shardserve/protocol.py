@@ -251,7 +251,7 @@ class TensorSpec(BaseModel):
             )
         low, high = self.min_value, self.max_value
         if low is not None and high is not None and low > high:
-            raise ValueError(f"{self.name}: min_value {self.min_value} > max_value {self.max_value}")
+            raise ValueError(f"{self.name}: min_value {low} > max_value {high}")
         return self
 
 

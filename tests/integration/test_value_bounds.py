@@ -1,0 +1,170 @@
+"""Input values a dynamic-shape model cannot take are refused with 400 before they reach the
+agents: token ids outside the vocabulary and sequences past the position table, on a real
+transformer mesh (2 ranks), over HTTP and over the queue-level API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+
+from shardserve import codec
+from shardserve.errors import ErrorCode
+from shardserve.protocol import InferReply, InferRequest
+from shardserve.tensors import Tensor
+
+pytestmark = pytest.mark.integration
+
+VOCAB, MAX_SEQ = 50, 8
+INFER = "/v2/models/transformer/infer"
+
+
+@pytest.fixture(scope="module")
+def mesh(mesh_factory: Any, export_repo: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    repo = export_repo(
+        "transformer",
+        tmp_path_factory.mktemp("repo"),
+        *("--layers", "1", "--hidden", "32", "--heads", "4"),
+        *("--vocab", str(VOCAB), "--max-seq", str(MAX_SEQ)),
+        *("--rank-size", "2", "--stage-size", "1"),
+    )
+    return mesh_factory(Path(repo))
+
+
+def ids_body(rows: list[list[int]]) -> dict[str, Any]:
+    shape = [len(rows), len(rows[0])]
+    data = [token for row in rows for token in row]
+    return {"inputs": [{"name": "input_ids", "shape": shape, "datatype": "INT64", "data": data}]}
+
+
+def post(mesh: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(
+        mesh.http_url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def mesh_counts(mesh: Any) -> tuple[int, int]:
+    """(requests the scheduler accepted, stage jobs the agents finished) for the transformer,
+    from the latest MeshStatus: what reached the mesh, whatever the gateway did."""
+    (servable,) = [s for s in mesh.status()["servables"] if s["name"] == "transformer"]
+    return servable["requests_total"], sum(rank["jobs_done"] for rank in servable["ranks"])
+
+
+def wait_for_counts(mesh: Any, at_least: tuple[int, int], timeout: float = 30.0) -> tuple[int, int]:
+    """The counts once both reach ``at_least`` (status and heartbeats lag the work)."""
+    deadline = time.monotonic() + timeout
+    counts = mesh_counts(mesh)
+    while any(got < want for got, want in zip(counts, at_least, strict=True)):
+        assert time.monotonic() < deadline, f"counts stuck at {counts}, waiting for {at_least}"
+        time.sleep(0.2)
+        counts = mesh_counts(mesh)
+    return counts
+
+
+BAD = [
+    pytest.param([[1, 2, VOCAB]], "outside [0, 49]: found 50", id="token-past-vocab"),
+    pytest.param([[-1, 2, 3]], "outside [0, 49]: found -1", id="negative-token"),
+    pytest.param(
+        [[1] * (MAX_SEQ + 1)], "dimension 1 is 9, at most 8 allowed", id="sequence-too-long"
+    ),
+]
+
+
+@pytest.mark.parametrize(("rows", "needle"), BAD)
+def test_bad_values_get_400_naming_the_bound(mesh: Any, rows: list[list[int]], needle: str) -> None:
+    status, reply = post(mesh, INFER, ids_body(rows))
+    assert status == 400, reply
+    assert "input_ids" in reply["error"] and needle in reply["error"], reply
+
+
+def test_mindspore_rest_applies_the_same_bounds(mesh: Any) -> None:
+    body = {"instances": [{"input_ids": [[7, VOCAB]]}]}
+    status, reply = post(mesh, "/model/transformer:predict", body)
+    assert status == 400, reply
+    assert "outside [0, 49]: found 50" in json.dumps(reply), reply
+
+
+def test_bad_values_never_reach_the_agents(mesh: Any) -> None:
+    """Bad requests, then one good one: the mesh counts exactly the good one (1 request, one job
+    on each of the 2 ranks). Had a bad one been run, the counts would be higher."""
+    requests, jobs = wait_for_counts(mesh, (0, 0))
+    for rows, _ in (p.values for p in BAD):
+        assert post(mesh, INFER, ids_body(rows))[0] == 400
+    status, reply = post(mesh, INFER, ids_body([[0] * (MAX_SEQ - 1) + [VOCAB - 1]]))
+    assert status == 200, reply
+    (logits,) = reply["outputs"]
+    assert logits["name"] == "logits" and logits["shape"] == [1, MAX_SEQ, VOCAB]
+    expected = (requests + 1, jobs + 2)
+    assert wait_for_counts(mesh, expected) == expected
+    time.sleep(1.5)  # a later status and heartbeat: nothing else trickles in
+    assert mesh_counts(mesh) == expected
+
+
+def test_status_carries_the_bounds_and_metadata_keeps_its_shape(mesh: Any) -> None:
+    (servable,) = [s for s in mesh.status()["servables"] if s["name"] == "transformer"]
+    (method,) = servable["methods"]
+    (spec,) = method["inputs"]
+    assert (spec["min_value"], spec["max_value"]) == (0, VOCAB - 1)
+    assert spec["max_shape"] == [-1, MAX_SEQ]
+    with urllib.request.urlopen(mesh.http_url + "/v2/models/transformer", timeout=10) as resp:
+        metadata = json.loads(resp.read())
+    (tensor,) = metadata["inputs"]
+    assert tensor["name"] == "input_ids" and tensor["shape"] == [-1, -1]
+
+
+async def test_queue_level_request_gets_bad_input_from_the_scheduler(mesh: Any) -> None:
+    """A request published straight to the exchange skips the gateway; the scheduler refuses it."""
+    request = InferRequest(
+        id=f"bounds-{uuid.uuid4().hex[:8]}",
+        servable="transformer",
+        instances=({"input_ids": Tensor.from_numpy(_int64([[3, VOCAB + 7]]))},),
+        deadline=time.time() + 30,
+    )
+    reply = await roundtrip(mesh.amqp_url, request)
+    error = reply.error or (reply.instances[0].error if reply.instances else None)
+    assert error is not None and error.code == ErrorCode.BAD_INPUT, reply
+    assert "outside [0, 49]: found 57" in error.message
+
+
+def _int64(rows: list[list[int]]) -> Any:
+    import numpy as np
+
+    return np.array(rows, dtype=np.int64)
+
+
+async def roundtrip(amqp_url: str, request: InferRequest) -> InferReply:
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        replies = await channel.declare_queue(exclusive=True, auto_delete=True)
+        exchange = await channel.get_exchange("shardserve.requests", ensure=True)
+        correlation_id = uuid.uuid4().hex
+        message = aio_pika.Message(
+            codec.encode(request),
+            content_type=codec.CONTENT_TYPE,
+            reply_to=replies.name,
+            correlation_id=correlation_id,
+        )
+        await exchange.publish(message, routing_key=request.servable, mandatory=True)
+        async with asyncio.timeout(60), replies.iterator() as incoming:
+            async for reply in incoming:
+                async with reply.process():
+                    assert reply.correlation_id == correlation_id
+                    return codec.decode_as(reply.body, InferReply)
+    raise AssertionError("reply queue closed without a reply")
