@@ -69,7 +69,7 @@ def floor_ratios(results: dict[str, Any], floor: str = "floor") -> list[Ratio]:
     """The issue's three ratios against one floor: ``floor`` (JSON by orjson, like the
     gateway) or ``floor-stdlib`` (Python's json module, what a plain server does)."""
     r = results
-    label = "floor" if floor == "floor" else f"{floor} (Python json)"
+    label = "floor" if floor == "floor" else "stdlib floor"
     return [
         Ratio(
             f"mesh rank1 JSON c32 / {label} JSON c32 (req/s)",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import numpy as np
 import pytest
 
 from shardserve import codec
@@ -77,13 +78,12 @@ def wait_for_counts(mesh: Any, at_least: tuple[int, int], timeout: float = 30.0)
     return counts
 
 
-BAD = [
-    pytest.param([[1, 2, VOCAB]], "outside [0, 49]: found 50", id="token-past-vocab"),
-    pytest.param([[-1, 2, 3]], "outside [0, 49]: found -1", id="negative-token"),
-    pytest.param(
-        [[1] * (MAX_SEQ + 1)], "dimension 1 is 9, at most 8 allowed", id="sequence-too-long"
-    ),
-]
+BAD_ROWS: dict[str, tuple[list[list[int]], str]] = {
+    "token-past-vocab": ([[1, 2, VOCAB]], "outside [0, 49]: found 50"),
+    "negative-token": ([[-1, 2, 3]], "outside [0, 49]: found -1"),
+    "sequence-too-long": ([[1] * (MAX_SEQ + 1)], "dimension 1 is 9, at most 8 allowed"),
+}
+BAD = [pytest.param(rows, needle, id=name) for name, (rows, needle) in BAD_ROWS.items()]
 
 
 @pytest.mark.parametrize(("rows", "needle"), BAD)
@@ -104,7 +104,7 @@ def test_bad_values_never_reach_the_agents(mesh: Any) -> None:
     """Bad requests, then one good one: the mesh counts exactly the good one (1 request, one job
     on each of the 2 ranks). Had a bad one been run, the counts would be higher."""
     requests, jobs = wait_for_counts(mesh, (0, 0))
-    for rows, _ in (p.values for p in BAD):
+    for rows, _ in BAD_ROWS.values():
         assert post(mesh, INFER, ids_body(rows))[0] == 400
     status, reply = post(mesh, INFER, ids_body([[0] * (MAX_SEQ - 1) + [VOCAB - 1]]))
     assert status == 200, reply
@@ -133,19 +133,13 @@ async def test_queue_level_request_gets_bad_input_from_the_scheduler(mesh: Any) 
     request = InferRequest(
         id=f"bounds-{uuid.uuid4().hex[:8]}",
         servable="transformer",
-        instances=({"input_ids": Tensor.from_numpy(_int64([[3, VOCAB + 7]]))},),
+        instances=({"input_ids": Tensor.from_numpy(np.array([[3, VOCAB + 7]], np.int64))},),
         deadline=time.time() + 30,
     )
     reply = await roundtrip(mesh.amqp_url, request)
     error = reply.error or (reply.instances[0].error if reply.instances else None)
     assert error is not None and error.code == ErrorCode.BAD_INPUT, reply
     assert "outside [0, 49]: found 57" in error.message
-
-
-def _int64(rows: list[list[int]]) -> Any:
-    import numpy as np
-
-    return np.array(rows, dtype=np.int64)
 
 
 async def roundtrip(amqp_url: str, request: InferRequest) -> InferReply:
