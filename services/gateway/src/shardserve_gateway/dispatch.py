@@ -95,6 +95,7 @@ class AmqpDispatcher:
         self.late_replies = 0
         self.failed_early = 0
         self.refused_overload = 0
+        self.published = 0
 
     @property
     def available(self) -> bool:
@@ -169,6 +170,7 @@ class AmqpDispatcher:
         try:
             async with asyncio.timeout(remaining):
                 await self._publish(request, correlation_id)
+                self.published += 1
                 return await future
         except TimeoutError:
             raise DeadlineError(f"deadline exceeded: no reply within {remaining:.3g} s") from None

@@ -9,6 +9,7 @@ below, then the mesh's, re-exported from the latest MeshStatus (names listed in
   shardserve_gateway_request_duration_seconds{servable,method} latency histogram
   shardserve_gateway_inflight_requests                         HTTP requests being handled
   shardserve_gateway_broker_up                                 1 while the broker is connected
+  shardserve_gateway_published_requests_total                  requests handed to the broker
   shardserve_gateway_late_replies_total                        replies after the deadline
   shardserve_gateway_failed_early_total                        requests failed at once because
                                                                their reply could not come
@@ -84,6 +85,7 @@ class Metrics:
         status_age_s: float | None,
         late_replies: int,
         failed_early: int = 0,
+        published: int = 0,
         status_fresh: bool = False,
         mesh: MeshStatus | None = None,
     ) -> str:
@@ -102,6 +104,9 @@ class Metrics:
             "# HELP shardserve_gateway_broker_up Whether the broker connection is up.",
             "# TYPE shardserve_gateway_broker_up gauge",
             f"shardserve_gateway_broker_up {int(broker_up)}",
+            "# HELP shardserve_gateway_published_requests_total Requests handed to the broker.",
+            "# TYPE shardserve_gateway_published_requests_total counter",
+            f"shardserve_gateway_published_requests_total {published}",
             "# HELP shardserve_gateway_late_replies_total Replies that came after the deadline.",
             "# TYPE shardserve_gateway_late_replies_total counter",
             f"shardserve_gateway_late_replies_total {late_replies}",
