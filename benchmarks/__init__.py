@@ -9,14 +9,17 @@ Modules, one concept each:
 - ``loadgen``: the one closed-loop load generator (N workers, fixed duration, warm-up
   excluded) and latency statistics;
 - ``bodies``: KServe v2 request bodies (JSON and binary extension), identical for every target;
-- ``floor_server``: the floor, a single-process aiohttp + onnxruntime KServe v2 server;
+- ``floor_server``: the floor, a single-process aiohttp + onnxruntime KServe v2 server
+  (JSON by orjson like the gateway: ``floor``; by Python's json: ``floor-stdlib``);
 - ``broker_hop``: the broker limit, a raw request/reply over RabbitMQ with aio-pika;
 - ``meshes``: real meshes (``shardserve up``) on a dedicated RabbitMQ vhost;
 - ``scenarios``: what is measured, one function per named scenario;
 - ``report``: the ratios against their targets, the table, the JSON file;
 - ``profile`` (``python -m benchmarks.profile``): py-spy on every service of a rank-1 mesh
   under load, summarized per service (py-spy is installed separately);
-- ``agent_memory`` (``python -m benchmarks.agent_memory``): agent memory experiments.
+- ``agent_memory`` (``python -m benchmarks.agent_memory``): agent memory experiments;
+- ``hop_properties`` (``python -m benchmarks.hop_properties``): what RabbitMQ spends per
+  request-hop message for quorum vs classic, confirms, ``mandatory`` and per-message TTL.
 
 Every mesh load point also records the CPU milliseconds each process (gateway,
 scheduler, agents, RabbitMQ, the load generator) spent per request, from /proc.

@@ -132,14 +132,32 @@ def test_an_oversized_instance_is_chunked_and_reassembled_in_order(kit: Any) -> 
     works = of(
         PublishStageWork, m.accept(call(group, request("a", {"x": rows(1, 2, 3, 4, 5)})), 0.0)
     )
-    assert [w.work.inputs["x"].shape[0] for w in works] == [2, 2, 1]
+    # the two full chunks leave at once; the partial one waits while the stage is busy
+    assert [w.work.inputs["x"].shape[0] for w in works] == [2, 2]
     actions: list[Action] = []
     for work in reversed(works):  # answers arrive out of order
-        actions += answer(kit, m, work, group)
+        released = answer(kit, m, work, group)
+        actions += released
+        works += of(PublishStageWork, released)
+    assert [w.work.inputs["x"].shape[0] for w in works] == [2, 2, 1]
+    actions += answer(kit, m, works[-1], group)
     (reply,) = of(Reply, actions)
     outputs = reply.reply.instances[0].outputs
     assert outputs is not None
     np.testing.assert_array_equal(outputs["y"].to_numpy()[:, 0], [2, 3, 4, 5, 6])
+
+
+def test_a_due_batch_keeps_growing_while_every_stage_is_busy(kit: Any) -> None:
+    """Instances that arrive while the ranks work join one job instead of many small ones."""
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=0.0)
+    (first,) = of(PublishStageWork, m.accept(call(group, request("a", {"x": rows(1)})), 0.0))
+    for i, name in enumerate("bcd"):
+        assert of(PublishStageWork, m.accept(call(group, request(name, {"x": rows(i)})), 0.1)) == []
+    assert of(PublishStageWork, m.tick(0.5)) == []  # due, but the stage is busy: no tick spin
+    assert m.next_wakeup() is None
+    (batch,) = of(PublishStageWork, answer(kit, m, first, group))
+    assert batch.work.inputs["x"].shape[0] == 3  # b, c and d in one job
 
 
 def test_only_identical_no_batch_inputs_share_a_batch(kit: Any) -> None:
@@ -188,11 +206,14 @@ def test_deadline_of_one_batched_request_leaves_the_others_running(kit: Any) -> 
     group = batch_group(kit)
     m = machine(batch_delay=0.0)
     m.accept(call(group, request("a", {"x": rows(1)}, deadline=5.0)), 0.0)
-    (work,) = of(PublishStageWork, m.accept(call(group, request("b", {"x": rows(2)})), 0.0))
-    work = of(PublishStageWork, m.tick(0.0))  # nothing due
-    assert work == []
-    (expired,) = of(Reply, m.tick(5.0))
+    # b waits in its batch while a's job holds the only stage
+    assert of(PublishStageWork, m.accept(call(group, request("b", {"x": rows(2)})), 0.0)) == []
+    assert of(PublishStageWork, m.tick(0.0)) == []
+    actions = m.tick(5.0)
+    (expired,) = of(Reply, actions)
     assert expired.reply.error is not None and expired.reply.error.code == ErrorCode.DEADLINE
+    (work,) = of(PublishStageWork, actions)  # the stage is free again: b goes
+    np.testing.assert_array_equal(work.work.inputs["x"].to_numpy()[:, 0], [2])
 
 
 # ---------------------------------------------------------------- Python stages

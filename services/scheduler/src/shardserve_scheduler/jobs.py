@@ -117,6 +117,16 @@ class Lane:
     def waiting(self) -> int:
         return len(self.queued) + (len(self.batcher) if self.batcher is not None else 0)
 
+    @property
+    def hungry(self) -> bool:
+        """Whether a batch that is due should leave now.
+
+        While every stage already has a job (in flight or queued), a due batch stays open
+        and keeps growing up to the batch limit: instances that arrive while the ranks are
+        busy join one job instead of queueing as many small ones. That is where batching
+        pays. The next job completion (or a full batch) lets it go."""
+        return len(self.inflight) + len(self.queued) < self.group.stage_size
+
 
 @dataclass
 class Counters:

@@ -73,9 +73,12 @@ class MachineState:
         return len(self.requests)
 
     def next_wakeup(self) -> float | None:
-        """When the earliest open batch is due (the shell ticks then), or None."""
+        """When the earliest open batch is due (the shell ticks then), or None. Lanes whose
+        stages are all busy wait for a job completion instead (no tick needed)."""
         dues = [
-            lane.batcher.next_due() for lane in self._lanes.values() if lane.batcher is not None
+            lane.batcher.next_due()
+            for lane in self._lanes.values()
+            if lane.batcher is not None and lane.hungry
         ]
         known = [d for d in dues if d is not None]
         return min(known) if known else None

@@ -108,7 +108,7 @@ class Progress(JobOutcomes):
     def _settle(self, now: float) -> list[Action]:
         """After every event: flush due batches, start Python tasks, start queued jobs."""
         for lane in self._lanes.values():
-            if lane.batcher is not None:
+            if lane.batcher is not None and lane.hungry:
                 for pieces in lane.batcher.due(now):
                     self._batch_job(lane, pieces, now)
         actions = self._start_python()
