@@ -8,7 +8,8 @@ A command, not a CI test (it writes ~1 GB of models and takes a few minutes)::
   in a fresh process with ``--share-weights`` and ``--no-share-weights``: RSS and ratio.
 - ``cache``: the same slice (sharing off), compile cache hit in ``standard`` and
   ``mem_opt`` mode: RSS (anonymous vs file-backed), load peak, ratio.
-- ``cap``: an MLP (hidden 1024, ffn 4096, 8 layers: 268 MB fp32) under a per-agent cap.
+- ``cap``: an MLP (hidden 1024, ffn 4096, 32 layers: 1074 MB fp32) under a per-agent cap
+  of 1000 MB: the full weights alone exceed the cap.
   Unsliced (rank_size 1) one capped agent refuses to load with a clear message; sliced
   over 8 ranks, a real mesh (``shardserve up`` with SHARDSERVE_AGENT_MAX_MEMORY_MB, which
   every agent reads) answers correctly; per-agent RSS next to its slice size.
@@ -38,7 +39,7 @@ from shardserve.localmesh import LocalMesh, MeshError, base_amqp_url, free_port
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_SRC = ROOT / "services" / "agent" / "src"
 SHARED_SIZE = 7168  # 7168 x 7168 fp32 = 196 MiB, in each of two segments
-CAP_MB = 500
+CAP_MB = 1000
 MIB = 1024 * 1024
 
 # Runs in a fresh interpreter: load one slice the agent's way, report memory as JSON.
@@ -158,7 +159,7 @@ def _infer(url: str, x: np.ndarray) -> np.ndarray:
 def bench_cap(work: Path) -> None:
     from shardserve.export.mlp import export_mlp, reference_model
 
-    hidden, ffn, layers = 1024, 4096, 8
+    hidden, ffn, layers = 1024, 4096, 32
     whole, sliced = work / "mlp1", work / "mlp8"
     for repo, ranks in ((whole, 1), (sliced, 8)):
         if not (repo / "mlp").exists():

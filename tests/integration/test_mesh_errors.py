@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,3 +206,48 @@ async def test_malformed_amqp_is_dead_lettered_and_counted(mesh_matmul8: Any) ->
         assert time.monotonic() < deadline, "dead letters were not counted"
         await asyncio.sleep(0.3)
     assert mesh_matmul8.get("/v2/health/ready")[0] == 200  # the consumer kept running
+
+
+def run_agent_in(mesh: Any, repository: Path, rank: int) -> subprocess.CompletedProcess[str]:
+    args = [
+        SHARDSERVE,
+        "agent",
+        "--repository",
+        str(repository),
+        "--servable",
+        "matmul",
+        "--rank",
+        str(rank),
+        "--no-cache",
+    ]
+    return subprocess.run(args, env=mesh.env, capture_output=True, text=True, timeout=60)
+
+
+def test_agent_whose_slice_is_not_on_this_host_is_refused_at_registration(
+    mesh_matmul8: Any, tmp_path: Path
+) -> None:
+    bundle = tmp_path / "host-a"
+    subprocess.run(
+        [SHARDSERVE, "pack", str(mesh_matmul8.repo), "--ranks", "0-1", "--out", str(bundle)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    done = run_agent_in(mesh_matmul8, bundle, 3)
+    assert done.returncode == 3, done.stderr
+    assert "not on this host" in done.stderr, done.stderr
+    assert "refused rank 3" in done.stderr  # the scheduler's verdict, logged by the agent
+
+
+def test_agent_with_a_tampered_slice_is_refused_at_registration(
+    mesh_matmul8: Any, tmp_path: Path
+) -> None:
+    copy = tmp_path / "repo"
+    shutil.copytree(mesh_matmul8.repo, copy)
+    segment = next((copy / "matmul" / "1" / "rank_2").glob("*.onnx"))
+    segment.write_bytes(segment.read_bytes() + b"\0")
+    done = run_agent_in(mesh_matmul8, copy, 2)
+    assert done.returncode == 3, done.stderr
+    assert "sha256" in done.stderr, done.stderr
+    assert "slice checksum mismatch for rank 2" in done.stderr  # the scheduler's words
+    assert "slice checksum mismatch for rank 2" in mesh_matmul8.log_tail(600)

@@ -9,10 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
-from shardserve.errors import ShardserveError, UnsafePathError
+from shardserve.errors import ChecksumError, ShardserveError, UnsafePathError
 from shardserve.lifecycle import run_service, setup_logging
-from shardserve.repository import GroupConfig, list_versions, load_group
+from shardserve.pack import missing_slice_message
+from shardserve.repository import (
+    GroupConfig,
+    list_versions,
+    load_group,
+    rank_checksum,
+    rank_dir,
+    sha256_file,
+    verify_rank_files,
+)
 from shardserve_agent.outsider import report_outside_rank
 from shardserve_agent.service import EXIT_REFUSED, AgentService
 from shardserve_agent.settings import AgentSettings, parse_settings
@@ -23,25 +33,44 @@ _logger = logging.getLogger("shardserve_agent")
 EXIT_FATAL = 1
 
 
-def _outside_rank(settings: AgentSettings) -> tuple[GroupConfig, str] | None:
-    """The group and a reason when ``--rank`` is not a rank of the group, else None."""
+def _unservable(settings: AgentSettings) -> tuple[GroupConfig, str, str] | None:
+    """(group, reason, checksum on disk) when this rank cannot be served here: outside the
+    group, its slice not on this host, or a slice whose checksum differs; else None."""
     try:
         version = settings.version or max(list_versions(settings.repository, settings.servable))
         group = load_group(settings.repository, settings.servable, version)
     except (ValueError, ShardserveError):
         return None  # load_slice reports what is wrong with the repository
-    if 0 <= settings.rank < group.rank_size:
-        return None
-    return group, f"rank {settings.rank} is outside the group (rank_size {group.rank_size})"
+    rank = settings.rank
+    if not 0 <= rank < group.rank_size:
+        return group, f"rank {rank} is outside the group (rank_size {group.rank_size})", ""
+    missing = missing_slice_message(settings.repository, group, rank)
+    if missing:
+        return group, missing, ""
+    try:
+        verify_rank_files(settings.repository, group, rank)
+    except ChecksumError as exc:
+        return group, str(exc), _checksum_on_disk(settings.repository, group, rank)
+    return None
+
+
+def _checksum_on_disk(repo: Path, group: GroupConfig, rank: int) -> str:
+    folder = rank_dir(repo, group.servable, group.version, rank)
+    files = {
+        name: sha256_file(folder / name) if (folder / name).is_file() else ""
+        for name in group.ranks[rank].files
+    }
+    return rank_checksum(files)
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_settings(argv)
     setup_logging("agent")
-    outside = _outside_rank(settings)
-    if outside is not None:
-        group, reason = outside
-        asyncio.run(report_outside_rank(settings, group, reason))
+    unservable = _unservable(settings)
+    if unservable is not None:
+        group, reason, checksum = unservable
+        _logger.error("cannot serve rank %d of %s here: %s", settings.rank, group.servable, reason)
+        asyncio.run(report_outside_rank(settings, group, reason, checksum))
         return EXIT_REFUSED
     try:
         apply_memory_cap(settings.max_memory_mb)

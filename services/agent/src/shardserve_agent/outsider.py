@@ -1,8 +1,10 @@
-"""An agent started for a rank its group does not have.
+"""An agent that cannot serve its rank: a rank its group does not have, a slice that is
+not on this host, or a slice whose checksum differs from the group config.
 
-It has no slice to load, but the scheduler should still see it and refuse it, so that
-both sides log the refusal (MindSpore only ever logs on the worker side). The agent says
-hello without a slice, logs the scheduler's verdict, and exits 3 either way.
+It loads nothing, but the scheduler should still see it and refuse it at registration, so
+that both sides log the refusal (MindSpore only ever logs on the worker side). The agent
+says hello with what it has (the checksum of the files on disk, or none), logs the
+scheduler's verdict, and exits 3 either way.
 """
 
 from __future__ import annotations
@@ -32,14 +34,17 @@ ASK_SECONDS = 10.0
 
 
 async def report_outside_rank(
-    settings: AgentSettings, group: GroupConfig, local_reason: str
+    settings: AgentSettings,
+    group: GroupConfig,
+    local_reason: str,
+    slice_checksum: str = "",
 ) -> None:
     """Ask the scheduler to judge this rank; log its reason, or ours if it does not answer."""
     instance = f"outsider-r{settings.rank}-{uuid.uuid4().hex[:12]}"
     broker = Broker(settings.broker, f"agent-{instance}")
     try:
         await broker.connect()
-        verdict = await _ask(broker, group, settings.rank, instance)
+        verdict = await _ask(broker, group, settings.rank, instance, slice_checksum)
     except ShardserveError as exc:
         verdict = None
         _logger.warning("could not reach the scheduler to report the refusal: %s", exc)
@@ -56,7 +61,7 @@ async def report_outside_rank(
 
 
 async def _ask(
-    broker: Broker, group: GroupConfig, rank: int, instance: str
+    broker: Broker, group: GroupConfig, rank: int, instance: str, slice_checksum: str
 ) -> RegistrationVerdict | None:
     verdicts: asyncio.Queue[RegistrationVerdict] = asyncio.Queue()
 
@@ -73,8 +78,8 @@ async def _ask(
         servable=group.servable,
         version=group.version,
         rank=rank,
-        stage=0,
-        slice_checksum="",
+        stage=group.ranks[rank].stage if 0 <= rank < group.rank_size else 0,
+        slice_checksum=slice_checksum,
         host=socket.gethostname(),
         pid=os.getpid(),
         state="loading",
