@@ -162,8 +162,14 @@ def _disk_bytes(settings: AgentSettings) -> int:
         return 0
 
 
-def _is_allocation_failure(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in ("alloc", "memory", "resource temporarily unavailable"))
+def _is_allocation_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or what caused it, e.g. a MemoryError while parsing the model)
+    is running out of memory."""
+    while exc is not None:
+        if isinstance(exc, MemoryError):
+            return True
+        text = str(exc).lower()
+        if any(w in text for w in ("alloc", "memory", "resource temporarily unavailable")):
+            return True
+        exc = exc.__cause__
+    return False
