@@ -72,7 +72,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     p.add_argument(
         "--status-stale-seconds",
         type=float,
-        default=float(_env(env, "STATUS_STALE_SECONDS", "3.0")),
+        # 6 broadcasts' worth: a CPU-saturated scheduler (16 ranks on 2 cores in the
+        # benchmark) was seen 3 s late, and a false "stale" turns every request into a 503.
+        default=float(_env(env, "STATUS_STALE_SECONDS", "6.0")),
         help="scheduler status older than this counts as 'not ready'",
     )
     p.add_argument("--gateway-id", default=_env(env, "ID", "") or None)
@@ -94,7 +96,7 @@ class GatewaySettings:
     open_health: bool = True
     tls_cert: str | None = None
     tls_key: str | None = None
-    status_stale_s: float = 3.0
+    status_stale_s: float = 6.0
     max_inflight: int = 256
     gateway_id: str = field(default_factory=lambda: default_gateway_id())
     log_level: str | None = None
