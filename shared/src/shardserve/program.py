@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -103,7 +103,10 @@ class OrtSegment:
         # CPU time of this thread, so a busy machine preempting us does not count; a long
         # wall time on little CPU (onnxruntime's own threads working) still counts.
         wall, cpu = time.perf_counter(), time.thread_time()
-        values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
+        if any(_is_bfloat16(a) for a in feeds.values()):
+            values = _run_with_ort_values(self._session, self._output_names, feeds)
+        else:
+            values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         self._last_s = cpu if wall < INLINE_WALL_S else wall
         return dict(zip(self._output_names, values, strict=True))
@@ -122,6 +125,35 @@ class OrtSegment:
     def runs_inline(self) -> bool:
         """Whether the next run (with feeds no bigger than the last) stays on the loop."""
         return self._threaded and self._last_s < INLINE_RUN_S
+
+
+# onnx TensorProto.BFLOAT16. onnxruntime's numpy binding has no bfloat16 (it refuses an
+# ml_dtypes.bfloat16 array: "Numpy_type 256 can't be converted to MLDataType"), so a BF16
+# feed goes in as an OrtValue over the array's uint16 bits tagged with this element type.
+_ONNX_BFLOAT16 = 16
+
+
+def _is_bfloat16(array: np.ndarray) -> bool:
+    return array.dtype.name == "bfloat16"
+
+
+def _run_with_ort_values(
+    session: object, output_names: list[str], feeds: Mapping[str, np.ndarray]
+) -> list[np.ndarray]:
+    """Run with every feed wrapped as an OrtValue (which may carry BF16)."""
+    from onnxruntime import OrtValue
+
+    values = {name: _ort_value(OrtValue, array) for name, array in feeds.items()}
+    outputs = session.run_with_ort_values(output_names, values)  # type: ignore[attr-defined]
+    return [output.numpy() for output in outputs]
+
+
+def _ort_value(ort_value_type: Any, array: np.ndarray) -> object:
+    array = np.ascontiguousarray(array)
+    if _is_bfloat16(array):
+        bits = array.view(np.uint16)
+        return ort_value_type.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16)
+    return ort_value_type.ortvalue_from_numpy(array)
 
 
 class _LocalCollective:

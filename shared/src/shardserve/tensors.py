@@ -2,7 +2,9 @@
 
 Numeric and bool tensors carry numpy's dtype string (``"<f4"``, ``"|b1"``...). String
 tensors (KServe BYTES) use dtype ``"bytes"`` and the binary-extension layout: each
-element is a 4-byte little-endian length followed by its bytes, row-major.
+element is a 4-byte little-endian length followed by its bytes, row-major. bfloat16
+(KServe BF16) uses dtype ``"bfloat16"``: 2 little-endian bytes per element, the upper
+half of the float32 bits (what tritonclient sends); numpy sees it through ``ml_dtypes``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from shardserve.errors import BadInputError
 
 BYTES_DTYPE = "bytes"
+# ml_dtypes' registered numpy type name, so np.dtype(BF16_DTYPE) works once it is imported.
+BF16_DTYPE = "bfloat16"
 MAX_RANK = 16
 
 # numpy dtype string -> KServe v2 datatype name, and back.
@@ -34,9 +38,32 @@ DTYPE_TO_DATATYPE: dict[str, str] = {
     "<f2": "FP16",
     "<f4": "FP32",
     "<f8": "FP64",
+    BF16_DTYPE: "BF16",
     BYTES_DTYPE: "BYTES",
 }
 DATATYPE_TO_DTYPE: dict[str, str] = {v: k for k, v in DTYPE_TO_DATATYPE.items()}
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a numeric wire dtype; bfloat16 comes from ``ml_dtypes`` (not a
+    declared dependency: onnx brings it), imported only when a BF16 tensor is used."""
+    if dtype != BF16_DTYPE:
+        return np.dtype(dtype)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise BadInputError("BF16 needs the ml_dtypes package") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def dtype_itemsize(dtype: str) -> int:
+    """Bytes per element of a numeric wire dtype (no ml_dtypes needed for bfloat16)."""
+    return 2 if dtype == BF16_DTYPE else np.dtype(dtype).itemsize
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    # ml_dtypes' bfloat16 reports dtype.str "<V2" (a void type): match it by name.
+    return dtype.name == BF16_DTYPE
 
 
 class Tensor(BaseModel):
@@ -71,7 +98,7 @@ class Tensor(BaseModel):
         """Return a read-only numpy view of the bytes (no copy for numeric dtypes)."""
         if self.dtype == BYTES_DTYPE:
             return unpack_bytes_elements(self.data, self.shape)
-        dtype = np.dtype(self.dtype)
+        dtype = numpy_dtype(self.dtype)
         # math.prod: exact (np.prod wraps past int64) and ~20x cheaper on a short tuple.
         count = math.prod(self.shape)
         if count * dtype.itemsize != len(self.data):
@@ -88,6 +115,10 @@ class Tensor(BaseModel):
             return cls(dtype=BYTES_DTYPE, shape=array.shape, data=pack_bytes_elements(array))
         shape = tuple(array.shape)  # ascontiguousarray turns a 0-d array into shape (1,)
         array = np.ascontiguousarray(array)
+        if _is_bfloat16(array.dtype):
+            # ml_dtypes stores bfloat16 in native order: write its bits as little-endian.
+            data = array.view(np.uint16).astype("<u2", copy=False).tobytes()
+            return cls.model_construct(dtype=BF16_DTYPE, shape=shape, data=data)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
         if array.dtype.str not in DTYPE_TO_DATATYPE:

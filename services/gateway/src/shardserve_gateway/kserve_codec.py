@@ -3,8 +3,9 @@
 Request: the JSON header is the whole body, or its first ``Inference-Header-Content-Length``
 bytes followed by the binary tensors of the inputs that declare
 ``parameters.binary_data_size``, in input order (kserve-v2.md §4). Each input sets exactly
-one of ``data`` and ``binary_data_size``. FP16 travels only as binary; BF16 is not
-supported (no numpy type for it on the wire).
+one of ``data`` and ``binary_data_size``. FP16 and BF16 inputs travel only as binary
+(BF16: 2 bytes per element, the upper half of the float32 bits); as JSON outputs both are
+widened to JSON numbers.
 
 Response: ``model_name`` always, ``model_version`` only for a versioned URL, ``id`` when
 the request had one, never JSON null. An output is binary when its requested
@@ -27,6 +28,7 @@ from shardserve.tensors import (
     BYTES_DTYPE,
     DATATYPE_TO_DTYPE,
     Tensor,
+    dtype_itemsize,
     unpack_bytes_elements,
 )
 from shardserve_gateway import fast_json
@@ -220,7 +222,7 @@ def tensor_from_binary(name: str, datatype: str, shape: tuple[int, ...], data: b
         except BadInputError as exc:
             raise BadInputError(f"input {name!r}: {exc.message}") from None
         return Tensor.model_construct(dtype=dtype, shape=shape, data=data)
-    needed = element_count(shape) * np.dtype(dtype).itemsize
+    needed = element_count(shape) * dtype_itemsize(dtype)
     if len(data) != needed:
         raise BadInputError(
             f"input {name!r}: binary_data_size is {len(data)} bytes, "

@@ -121,7 +121,8 @@ def value_to_tensor(name: str, value: Any, datatype: str) -> Tensor:
 
 
 def _is_castable(datatype: str) -> bool:
-    return datatype not in (ANY_DATATYPE, "BYTES") and datatype in DATATYPE_TO_DTYPE
+    # BF16 is never cast from JSON (as in KServe): the signature check then names the mismatch.
+    return datatype not in (ANY_DATATYPE, "BYTES", "BF16") and datatype in DATATYPE_TO_DTYPE
 
 
 def _strings_tensor(array: np.ndarray) -> Tensor:
