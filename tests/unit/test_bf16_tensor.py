@@ -89,3 +89,26 @@ async def test_ort_segment_runs_a_bf16_input_from_the_wire(tmp_path: Path) -> No
     assert y.dtype == np.float32
     assert y.tobytes() == x.astype(np.float32).tobytes()
     assert y.reshape(-1)[:3].tolist() == [1.0, -2.5, 0.15625]
+
+
+def test_a_bf16_model_output_comes_back_as_bfloat16() -> None:
+    """onnxruntime cannot return BF16 to numpy; the segment copies its bits out."""
+    import ml_dtypes
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from shardserve.program import OrtSegment
+    from shardserve.tensors import Tensor
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])
+    node = helper.make_node("Cast", ["x"], ["y"], to=TensorProto.BFLOAT16)
+    graph = helper.make_graph([node], "to_bf16", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out = OrtSegment(session, run_in_thread=False).run_sync(
+        {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    )["y"]
+    assert out.dtype == np.dtype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(out.astype(np.float32), np.arange(6).reshape(2, 3))
+    assert Tensor.from_numpy(out).datatype == "BF16"

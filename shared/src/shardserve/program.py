@@ -9,6 +9,8 @@ tests prove offline are the numerics served.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
+from shardserve.tensors import BF16_DTYPE
 
 Env = dict[str, np.ndarray]
 
@@ -93,7 +96,10 @@ class OrtSegment:
     def __init__(self, session: object, run_in_thread: bool = True) -> None:
         self._session = session
         self.input_names = tuple(i.name for i in session.get_inputs())  # type: ignore[attr-defined]
-        self._output_names = [o.name for o in session.get_outputs()]  # type: ignore[attr-defined]
+        outputs = session.get_outputs()  # type: ignore[attr-defined]
+        self._output_names = [o.name for o in outputs]
+        # A BF16 output cannot come back through session.run (no numpy type for it).
+        self._bf16_out = any(getattr(o, "type", "") == "tensor(bfloat16)" for o in outputs)
         self._threaded = run_in_thread
         self._last_s = float("inf")  # unknown until the first run: that one is threaded
         self._last_bytes = 0
@@ -103,7 +109,7 @@ class OrtSegment:
         # CPU time of this thread, so a busy machine preempting us does not count; a long
         # wall time on little CPU (onnxruntime's own threads working) still counts.
         wall, cpu = time.perf_counter(), time.thread_time()
-        if any(_is_bfloat16(a) for a in feeds.values()):
+        if self._bf16_out or any(_is_bfloat16(a) for a in feeds.values()):
             values = _run_with_ort_values(self._session, self._output_names, feeds)
         else:
             values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
@@ -145,7 +151,19 @@ def _run_with_ort_values(
 
     values = {name: _ort_value(OrtValue, array) for name, array in feeds.items()}
     outputs = session.run_with_ort_values(output_names, values)  # type: ignore[attr-defined]
-    return [output.numpy() for output in outputs]
+    return [_to_numpy(output) for output in outputs]
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """An output OrtValue as numpy; BF16 is copied out by its bits (``OrtValue.numpy``
+    refuses it) into an ml_dtypes.bfloat16 array."""
+    if value.data_type() != "tensor(bfloat16)":
+        return value.numpy()
+    from shardserve.tensors import numpy_dtype  # imports ml_dtypes only when needed
+
+    shape = tuple(value.shape())
+    raw = ctypes.string_at(value.data_ptr(), 2 * math.prod(shape))
+    return np.frombuffer(raw, np.uint16).view(numpy_dtype(BF16_DTYPE)).reshape(shape)
 
 
 def _ort_value(ort_value_type: Any, array: np.ndarray) -> object:
