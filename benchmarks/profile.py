@@ -21,7 +21,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.bodies import make_body, matmul_input
+from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
 from benchmarks.loadgen import LoadSpec, load_http
 from benchmarks.meshes import dedicated_vhost, running_mesh, service_pids
 
@@ -88,23 +88,45 @@ def summarize_profile(name: str, text: str, seconds: float, rate: int) -> list[s
     return lines
 
 
+def _export(model: str, repo: Path, body_kind: str) -> Body:
+    """Export the profiled model into ``repo``; the request body that goes with it."""
+    if model == "mlp":
+        from shardserve.export.mlp import export_mlp
+
+        export_mlp(repo, rank_size=1, stage_size=1, hidden=1024, ffn=4096, layers=2)
+        return make_body(body_kind, mlp_input(1, 1024))
+    from shardserve.export.matmul import export_matmul
+
+    export_matmul(repo, rank_size=1)
+    return make_body(body_kind, matmul_input())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.profile")
     parser.add_argument("--body", choices=("json", "binary"), default="json")
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument(
+        "--model",
+        choices=("matmul", "mlp"),
+        default="matmul",
+        help="matmul (rank 1) or the batching benchmark's MLP (one row per request)",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=32, help="scheduler batching")
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         print("py-spy is not installed: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2
-    from shardserve.export.matmul import export_matmul
-
     work = Path(tempfile.mkdtemp(prefix="shardserve-profile-"))
-    export_matmul(work / "repo", rank_size=1)
+    body = _export(args.model, work / "repo", args.body)
     (work / "logs").mkdir()
-    with dedicated_vhost() as url, running_mesh(work / "repo", url, work / "logs") as mesh:
+    env = {"SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE": str(args.max_batch_size)}
+    with (
+        dedicated_vhost() as url,
+        running_mesh(work / "repo", url, work / "logs", env=env) as mesh,
+    ):
         pids = service_pids(mesh.process.pid)
         spies = {
             name: subprocess.Popen(
@@ -128,9 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for name, pid in pids.items()
         }
-        body = make_body(args.body, matmul_input())
         spec = LoadSpec(args.clients, args.seconds - 1.0, 0.5)
-        result = asyncio.run(load_http(mesh.infer_url("matmul"), body.data, body.headers, spec))
+        result = asyncio.run(load_http(mesh.infer_url(args.model), body.data, body.headers, spec))
         for spy in spies.values():
             spy.wait()
     print(f"load (under py-spy): {result.to_json()}")

@@ -32,6 +32,7 @@ from shardserve.broker import Broker
 from shardserve.protocol import (
     InferReply,
     InferRequest,
+    InferRequestBundle,
     InstanceResult,
     MeshStatus,
     Message,
@@ -143,8 +144,16 @@ class FakeScheduler:
     silent_received: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        if not isinstance(message, InferRequest):
-            return
+        assert incoming.reply_to is not None
+        if isinstance(message, InferRequestBundle):  # the gateway's group commit
+            for item in message.requests:
+                await self.answer(item.request, incoming.reply_to, item.correlation_id)
+        elif isinstance(message, InferRequest):
+            await self.answer(message, incoming.reply_to, incoming.correlation_id)
+
+    async def answer(
+        self, message: InferRequest, reply_to: str, correlation_id: str | None
+    ) -> None:
         self.received.append(message)
         if message.servable == self.silent:
             self.silent_received.set()
@@ -160,10 +169,7 @@ class FakeScheduler:
             method=message.method,
             instances=results,
         )
-        assert incoming.reply_to is not None
-        await self.broker.publish(
-            "", incoming.reply_to, reply, correlation_id=incoming.correlation_id
-        )
+        await self.broker.publish("", reply_to, reply, correlation_id=correlation_id)
 
     async def broadcast_status(self) -> None:
         status = MeshStatus(

@@ -18,7 +18,14 @@ import pytest
 
 from shardserve import codec
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferReply, InferRequest, InstanceResult
+from shardserve.protocol import (
+    BundledRequest,
+    InferReply,
+    InferReplyBundle,
+    InferRequest,
+    InferRequestBundle,
+    InstanceResult,
+)
 from shardserve.tensors import Tensor
 
 pytestmark = pytest.mark.integration
@@ -184,6 +191,43 @@ async def test_past_deadline_gets_deadline_exceeded(publisher: Any) -> None:
     reply = await roundtrip(publisher, request, expire=False)
     error = reply.error or (reply.instances[0].error if reply.instances else None)
     assert error is not None and error.code == ErrorCode.DEADLINE, reply
+
+
+async def test_a_bundle_gets_every_reply_once(publisher: Any) -> None:
+    """Three requests in one InferRequestBundle (one of them for an unknown servable): each
+    correlation id is answered exactly once, as a plain InferReply or inside a bundle."""
+    good = [matmul_request(np.full((128, 96), v, np.float32)) for v in (1.0, 2.0)]
+    unknown = matmul_request(np.ones((128, 96), np.float32), servable="nope-bundle")
+    items = [BundledRequest(correlation_id=f"b{i}", request=r) for i, r in enumerate(good)]
+    items.append(BundledRequest(correlation_id="b-unknown", request=unknown))
+    channel = await publisher.channel()
+    replies = await channel.declare_queue(exclusive=True, auto_delete=True)
+    exchange = await channel.get_exchange("shardserve.requests", ensure=True)
+    bundle = InferRequestBundle(requests=tuple(items))
+    message = aio_pika.Message(
+        codec.encode(bundle), content_type=codec.CONTENT_TYPE, reply_to=replies.name
+    )
+    await exchange.publish(message, routing_key="matmul", mandatory=True)
+    answered: dict[str, list[InferReply]] = {}
+    async with asyncio.timeout(REPLY_WAIT_S), replies.iterator() as incoming:
+        async for raw in incoming:
+            async with raw.process():
+                decoded = codec.decode(raw.body)
+                if isinstance(decoded, InferReplyBundle):
+                    for item in decoded.replies:
+                        answered.setdefault(item.correlation_id, []).append(item.reply)
+                else:
+                    assert isinstance(decoded, InferReply)
+                    answered.setdefault(raw.correlation_id or "", []).append(decoded)
+            if len(answered) == 3:
+                break
+    assert sorted(answered) == ["b-unknown", "b0", "b1"]
+    assert all(len(got) == 1 for got in answered.values())
+    for key, value in (("b0", -48.0), ("b1", -96.0)):
+        outputs = answered[key][0].instances[0].outputs
+        assert outputs is not None and np.all(outputs["y"].to_numpy() == value)
+    error = answered["b-unknown"][0].error
+    assert error is not None and error.code == ErrorCode.NOT_FOUND
 
 
 # ---------------------------------------------------------------- the HTTP client, same mesh

@@ -12,6 +12,10 @@ Flow of one request (see README, "Architecture"):
     StageResult   rank -> scheduler                            (default exchange, result queue)
     InferReply    scheduler -> reply_to of the request         (default exchange)
 
+A gateway sends the requests that pile up while a publish is in flight as one
+InferRequestBundle; the scheduler answers such a sender's replies that are ready together
+as one InferReplyBundle (fewer messages per request through the broker and both services).
+
 Control plane (exchange shardserve.control): AgentHello/AgentHeartbeat/AgentBye from
 agents, RegistrationVerdict to one agent, SchedulerHello and MeshStatus from the scheduler,
 JobCancel to the ranks of a group, RepositoryCommand (load/unload a version) to the
@@ -89,6 +93,46 @@ class InferReply(_Message):
     method: str = ""
     instances: tuple[InstanceResult, ...] = ()
     error: ErrorInfo | None = None
+
+
+class BundledRequest(BaseModel):
+    """One request of a bundle, with the correlation id its reply must carry."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    correlation_id: str = Field(min_length=1, max_length=128)
+    request: InferRequest
+
+
+class InferRequestBundle(_Message):
+    """Several InferRequests in one message (one publish, one confirm, one delivery).
+
+    A gateway groups the requests that arrive while its previous publish is in flight
+    (group commit: no added delay when idle). Each request is admitted on its own, as if
+    it had come alone with the bundle's ``reply_to`` and its own ``correlation_id``. A
+    sender of bundles says by that that it also understands InferReplyBundle on its
+    ``reply_to``: the scheduler may then answer several requests in one message.
+    """
+
+    kind: Literal["infer.request.bundle"] = "infer.request.bundle"
+    requests: tuple[BundledRequest, ...] = Field(min_length=1, max_length=1024)
+
+
+class BundledReply(BaseModel):
+    """One reply of a bundle, with the correlation id of its request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    correlation_id: str
+    reply: InferReply
+
+
+class InferReplyBundle(_Message):
+    """Several InferReplies to one ``reply_to`` in one message; sent only to reply queues
+    that have sent an InferRequestBundle (a plain InferRequest client never sees one)."""
+
+    kind: Literal["infer.reply.bundle"] = "infer.reply.bundle"
+    replies: tuple[BundledReply, ...] = Field(min_length=1)
 
 
 # ---------------------------------------------------------------- data plane (internal)
@@ -324,6 +368,8 @@ class MeshStatus(_Message):
 Message = Annotated[
     InferRequest
     | InferReply
+    | InferRequestBundle
+    | InferReplyBundle
     | StageWork
     | StageResult
     | CollectivePart
@@ -343,6 +389,8 @@ MESSAGE_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 MESSAGE_TYPES: tuple[type[_Message], ...] = (
     InferRequest,
     InferReply,
+    InferRequestBundle,
+    InferReplyBundle,
     StageWork,
     StageResult,
     CollectivePart,

@@ -5,11 +5,14 @@ request gets a fresh uuid as AMQP ``correlation_id`` (the user's request id may 
 and one future keyed by it. The reply consumer resolves the future; a reply that comes
 after the deadline (or for an id nobody waits for) is counted and dropped.
 
-Requests are published with publisher confirms and ``mandatory``: a full request queue
-(``x-overflow: reject-publish``) nacks -> 503 overloaded; an unroutable request (no
-scheduler ever declared its queue) is returned -> 503 "scheduler not running". The
-whole exchange (publish + wait) runs under one ``asyncio.timeout`` ending at the
-deadline, so the answer is 504 at the deadline, never later.
+Small requests leave through the ``RequestBundler`` (group commit: what piles up while a
+publish is in flight leaves as one InferRequestBundle); replies may come back one by one
+or as an InferReplyBundle. Requests are published with publisher confirms and
+``mandatory``: a full request queue (``x-overflow: reject-publish``) nacks -> 503
+overloaded; an unroutable request (no scheduler ever declared its queue) is returned ->
+503 "scheduler not running". The whole exchange (publish + wait) runs under one
+``asyncio.timeout`` ending at the deadline, so the answer is 504 at the deadline, never
+later.
 
 Replies that can never come fail at once (503) instead of waiting for the deadline:
 - **scheduler restart**: each pending request remembers the scheduler that was active
@@ -24,6 +27,7 @@ Replies that can never come fail at once (503) instead of waiting for the deadli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -38,11 +42,20 @@ from shardserve.broker import Broker
 from shardserve.errors import (
     BadInputError,
     DeadlineError,
+    InferenceError,
     InternalError,
     OverloadedError,
     UnavailableError,
 )
-from shardserve.protocol import InferReply, InferRequest, Message, RepositoryCommand
+from shardserve.protocol import (
+    InferReply,
+    InferReplyBundle,
+    InferRequest,
+    InferRequestBundle,
+    Message,
+    RepositoryCommand,
+)
+from shardserve_gateway.bundler import Outgoing, RequestBundler
 
 _logger = logging.getLogger(__name__)
 
@@ -96,6 +109,8 @@ class AmqpDispatcher:
         self.failed_early = 0
         self.refused_overload = 0
         self.published = 0
+        self.bundler = RequestBundler(self._publish_bundled)
+        self._bundler_task: asyncio.Task[None] | None = None
 
     @property
     def available(self) -> bool:
@@ -107,7 +122,9 @@ class AmqpDispatcher:
         return len(self._pending)
 
     async def start(self) -> None:
-        """Declare the exclusive reply queue, start consuming it, watch the connection."""
+        """Start the bundler; declare the exclusive reply queue, consume it, watch the
+        connection."""
+        self._bundler_task = asyncio.create_task(self.bundler.run(), name="request-bundler")
         await self._broker.declare(self._queue)
         await self._broker.consume(self._queue.name, self._on_reply, prefetch=REPLY_PREFETCH)
         self._broker.add_state_listener(self.connection_changed)
@@ -115,6 +132,11 @@ class AmqpDispatcher:
     async def close(self) -> None:
         """Fail whatever still waits (after the drain, normally nothing) and refuse new calls."""
         self._closed = True
+        if self._bundler_task is not None:
+            self._bundler_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._bundler_task
+            self._bundler_task = None
         self._fail_pending("gateway is shutting down", lambda _: True)
 
     def scheduler_seen(self, scheduler: str) -> None:
@@ -192,40 +214,68 @@ class AmqpDispatcher:
             raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _publish(self, request: InferRequest, correlation_id: str) -> None:
-        props: dict[str, Any] = dict(
+        size = sum(len(t.data) for instance in request.instances for t in instance.values())
+        if size <= codec.OFF_LOOP_BYTES:
+            await self.bundler.send(request, correlation_id, size)
+            return
+        # Packing tens of MB would stall every other request: in a thread, and alone.
+        body = await codec.encode_off_loop(request, size)
+        props = self._properties(request.deadline, correlation_id)
+        try:
+            await self._broker.publish_raw(
+                topology.REQUESTS_EXCHANGE,
+                request.servable,
+                body,
+                message_type=request.kind,
+                **props,
+            )
+        except InferenceError as exc:
+            raise self._publish_error(exc) from exc
+
+    async def _publish_bundled(
+        self, message: InferRequest | InferRequestBundle, items: list[Outgoing]
+    ) -> None:
+        """The bundler's publish: one request (with its correlation id) or a bundle."""
+        deadline = max(item.request.deadline for item in items)
+        correlation_id = items[0].correlation_id if len(items) == 1 else None
+        props = self._properties(deadline, correlation_id)
+        try:
+            await self._broker.publish(
+                topology.REQUESTS_EXCHANGE, items[0].request.servable, message, **props
+            )
+        except InferenceError as exc:
+            raise self._publish_error(exc) from exc
+
+    def _properties(self, deadline: float, correlation_id: str | None) -> dict[str, Any]:
+        return dict(
             correlation_id=correlation_id,
             reply_to=self._queue.name,
-            deadline=request.deadline,
+            deadline=deadline,
             confirm=True,
         )
-        size = sum(len(t.data) for instance in request.instances for t in instance.values())
-        try:
-            if size <= codec.OFF_LOOP_BYTES:
-                await self._broker.publish(
-                    topology.REQUESTS_EXCHANGE, request.servable, request, **props
-                )
-            else:  # packing tens of MB would stall every other request: in a thread
-                body = await codec.encode_off_loop(request, size)
-                await self._broker.publish_raw(
-                    topology.REQUESTS_EXCHANGE,
-                    request.servable,
-                    body,
-                    message_type=request.kind,
-                    **props,
-                )
-        except OverloadedError as exc:
-            raise OverloadedError(f"overloaded: {exc.message}") from exc
-        except UnavailableError as exc:
+
+    def _publish_error(self, exc: InferenceError) -> InferenceError:
+        if isinstance(exc, OverloadedError):
+            return OverloadedError(f"overloaded: {exc.message}")
+        if isinstance(exc, UnavailableError):
             if not self._broker.healthy:
-                raise UnavailableError("message broker is unreachable") from exc
-            raise UnavailableError(f"scheduler not running: {exc.message}") from exc
+                return UnavailableError("message broker is unreachable")
+            return UnavailableError(f"scheduler not running: {exc.message}")
+        return exc
 
     async def _on_reply(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        pending = self._pending.get(incoming.correlation_id or "")
+        if isinstance(message, InferReplyBundle):
+            for item in message.replies:
+                self._resolve(item.correlation_id, item.reply)
+            return
+        self._resolve(incoming.correlation_id or "", message)
+
+    def _resolve(self, correlation_id: str, message: Message) -> None:
+        pending = self._pending.get(correlation_id)
         future = pending.future if pending is not None else None
         if future is None or future.done():
             self.late_replies += 1
-            _logger.debug("dropping a late or unknown reply %s", incoming.correlation_id)
+            _logger.debug("dropping a late or unknown reply %s", correlation_id)
             return
         if isinstance(message, InferReply):
             future.set_result(message)

@@ -10,6 +10,8 @@ below, then the mesh's, re-exported from the latest MeshStatus (names listed in
   shardserve_gateway_inflight_requests                         HTTP requests being handled
   shardserve_gateway_broker_up                                 1 while the broker is connected
   shardserve_gateway_published_requests_total                  requests handed to the broker
+  shardserve_gateway_request_messages_total                    messages that carried them (a
+                                                               bundle of several counts once)
   shardserve_gateway_late_replies_total                        replies after the deadline
   shardserve_gateway_failed_early_total                        requests failed at once because
                                                                their reply could not come
@@ -86,6 +88,7 @@ class Metrics:
         late_replies: int,
         failed_early: int = 0,
         published: int = 0,
+        request_messages: int = 0,
         status_fresh: bool = False,
         mesh: MeshStatus | None = None,
     ) -> str:
@@ -107,6 +110,10 @@ class Metrics:
             "# HELP shardserve_gateway_published_requests_total Requests handed to the broker.",
             "# TYPE shardserve_gateway_published_requests_total counter",
             f"shardserve_gateway_published_requests_total {published}",
+            "# HELP shardserve_gateway_request_messages_total Messages that carried the "
+            "requests (one InferRequestBundle of several requests counts once).",
+            "# TYPE shardserve_gateway_request_messages_total counter",
+            f"shardserve_gateway_request_messages_total {request_messages}",
             "# HELP shardserve_gateway_late_replies_total Replies that came after the deadline.",
             "# TYPE shardserve_gateway_late_replies_total counter",
             f"shardserve_gateway_late_replies_total {late_replies}",

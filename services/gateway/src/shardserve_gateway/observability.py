@@ -74,6 +74,7 @@ async def metrics(request: web.Request) -> web.Response:
         status_age_s=view.age_s(),
         late_replies=getattr(dispatcher, "late_replies", 0),
         published=getattr(dispatcher, "published", 0),
+        request_messages=getattr(getattr(dispatcher, "bundler", None), "bundles", 0),
         failed_early=getattr(dispatcher, "failed_early", 0),
         status_fresh=view.fresh(),
         mesh=view.status,

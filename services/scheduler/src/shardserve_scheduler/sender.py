@@ -4,6 +4,12 @@ One task runs ``ActionSender.run``, so every StageWork leaves from one channel i
 (every rank of a stage sees jobs in the same order). Besides the core's actions, the
 shell queues two of its own: stop consuming requests (behind the replies of a step-down)
 and tell an agent of an unloaded version to leave.
+
+Replies that are ready together (a batch finished, a rank was lost) go to a reply queue
+whose owner sends InferRequestBundles as one InferReplyBundle: the run loop takes
+everything queued and sends such replies last, one message per reply queue (before a
+consumer cancel, which must follow them). Other reply queues get one InferReply per
+request, in order, as always.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from shardserve import topology
 from shardserve.broker import Broker
 from shardserve.errors import InferenceError
 from shardserve.lifecycle import request_id_var
-from shardserve.protocol import RegistrationVerdict
+from shardserve.protocol import BundledReply, InferReplyBundle, RegistrationVerdict
 from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, RunPython
 
 _logger = logging.getLogger(__name__)
@@ -39,6 +45,11 @@ class SendVerdict:
 
 Outgoing = Action | CancelConsumer | SendVerdict
 
+# Reply queues remembered as bundle-capable; gateways come and go (each restart is a new
+# queue), so the oldest are forgotten past this many (they then get plain replies).
+MAX_BUNDLE_QUEUES = 1024
+MAX_REPLIES_PER_BUNDLE = 256
+
 
 class ActionSender:
     """Owns the outbox queue; ``run`` drains it until ``close``."""
@@ -56,6 +67,17 @@ class ActionSender:
         self._start_python = start_python
         self._is_active = is_active
         self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
+        self._bundle_queues: dict[str, None] = {}  # insertion-ordered set
+        self.reply_bundles = 0
+        self.bundled_replies = 0
+
+    def bundles_understood_by(self, reply_to: str) -> None:
+        """``reply_to``'s owner sent a bundle: it understands InferReplyBundle too."""
+        if reply_to in self._bundle_queues:
+            return
+        self._bundle_queues[reply_to] = None
+        if len(self._bundle_queues) > MAX_BUNDLE_QUEUES:
+            del self._bundle_queues[next(iter(self._bundle_queues))]
 
     def put(self, item: Outgoing) -> None:
         self._outbox.put_nowait(item)
@@ -65,8 +87,56 @@ class ActionSender:
         self._outbox.put_nowait(None)
 
     async def run(self) -> None:
-        while (item := await self._outbox.get()) is not None:
+        while True:
+            items = [await self._outbox.get()]
+            while not self._outbox.empty():
+                items.append(self._outbox.get_nowait())
+            end = None in items
+            if end:
+                items = items[: items.index(None)]
+            await self._execute_all(items)  # type: ignore[arg-type]
+            if end:
+                return
+
+    async def _execute_all(self, items: list[Outgoing]) -> None:
+        """In order, except replies to bundle-capable queues: they wait for the end of the
+        run (or a consumer cancel) and leave bundled per queue. The next job's StageWork,
+        produced by the same result, so reaches the ranks before the replies are packed."""
+        replies: dict[str, list[Reply]] = {}
+        for item in items:
+            if isinstance(item, Reply) and item.reply_to in self._bundle_queues:
+                replies.setdefault(item.reply_to, []).append(item)
+                continue
+            if isinstance(item, CancelConsumer) and replies:
+                await self._send_replies(replies)  # a step-down's replies go first
+                replies = {}
             await self._execute(item)
+        if replies:
+            await self._send_replies(replies)
+
+    async def _send_replies(self, replies: dict[str, list[Reply]]) -> None:
+        for reply_to, queued in replies.items():
+            for start in range(0, len(queued), MAX_REPLIES_PER_BUNDLE):
+                await self._send_bundle(reply_to, queued[start : start + MAX_REPLIES_PER_BUNDLE])
+
+    async def _send_bundle(self, reply_to: str, replies: list[Reply]) -> None:
+        if len(replies) == 1:
+            await self._execute(replies[0])
+            return
+        bundle = InferReplyBundle(
+            replies=tuple(
+                BundledReply(correlation_id=r.correlation_id, reply=r.reply) for r in replies
+            )
+        )
+        try:
+            await self._broker.publish("", reply_to, bundle)
+        except InferenceError as exc:
+            _logger.warning(
+                "%d replies to %s lost (the gateway is gone?): %s", len(replies), reply_to, exc
+            )
+            return
+        self.reply_bundles += 1
+        self.bundled_replies += len(replies)
 
     async def _execute(self, item: Outgoing) -> None:
         if isinstance(item, SendVerdict):

@@ -47,6 +47,7 @@ from shardserve.protocol import (
     AgentHeartbeat,
     AgentHello,
     InferRequest,
+    InferRequestBundle,
     Message,
     RegistrationVerdict,
     RepositoryCommand,
@@ -226,13 +227,20 @@ class SchedulerService:
     # ------------------------------------------------------------------ consumers
 
     async def _on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        if not isinstance(message, InferRequest) or not incoming.reply_to:
+        reply_to = incoming.reply_to
+        if isinstance(message, InferRequestBundle) and reply_to:
+            self.sender.bundles_understood_by(reply_to)
+            for item in message.requests:
+                self._admit_one(item.request, reply_to, item.correlation_id)
+        elif isinstance(message, InferRequest) and reply_to:
+            self._admit_one(message, reply_to, incoming.correlation_id or message.id)
+        else:
             await self._dead_letter_request(message, incoming)
-            return
-        token = request_id_var.set(message.id)
+
+    def _admit_one(self, request: InferRequest, reply_to: str, correlation_id: str) -> None:
+        token = request_id_var.set(request.id)
         try:
-            correlation_id = incoming.correlation_id or message.id
-            self._emit(self._admit(message, incoming.reply_to, correlation_id))
+            self._emit(self._admit(request, reply_to, correlation_id))
         finally:
             request_id_var.reset(token)
 
@@ -255,7 +263,8 @@ class SchedulerService:
         self, message: Message, incoming: AbstractIncomingMessage
     ) -> None:
         self.dead_lettered_requests += 1
-        why = "it has no reply_to" if isinstance(message, InferRequest) else "it is not a request"
+        is_request = isinstance(message, InferRequest | InferRequestBundle)
+        why = "it has no reply_to" if is_request else "it is not a request"
         _logger.warning(
             "dead-lettering a %s from the request queue: %s (%d so far)",
             message.kind,
