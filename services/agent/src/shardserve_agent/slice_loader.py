@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
 from shardserve.errors import RepositoryError
+from shardserve.heap import return_freed_memory
 from shardserve.pack import missing_slice_message
 from shardserve.program import OrtSegment
 from shardserve.repository import (
@@ -126,6 +127,7 @@ def _load(settings: AgentSettings) -> LoadedSlice:
     shared = find_shared_weights(paths) if settings.share_weights else SharedWeights()
     segments = {name: Segment(path, identities[name]) for name, path in paths.items()}
     runners, status = open_segments(cache, segments, shared)
+    return_freed_memory()  # the model parse buffers: RSS should be the weights, not twice
     load_ms = (time.perf_counter() - started) * 1000
     _logger.info(
         "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s (%s), "
