@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import uuid
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+
+from shardserve.eventloop import LOOP_ENV, loop_factory
 
 PREFETCH = 256
 
@@ -103,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(args.url, args.queue, args.reply_bytes, stop)
 
-    asyncio.run(run())
+    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says).
+    with asyncio.Runner(loop_factory=loop_factory(os.environ.get(LOOP_ENV))) as runner:
+        runner.run(run())
     return 0
 
 

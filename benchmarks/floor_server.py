@@ -17,7 +17,9 @@ Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import numpy as np
 import onnxruntime as ort
 from aiohttp import web
 
+from shardserve.eventloop import LOOP_ENV, loop_factory
 from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
 from shardserve_gateway import fast_json
 
@@ -133,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     app = create_app(args.model, args.threads, stdlib_json=args.json == "stdlib")
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says):
+    # the floor keeps every library advantage the gateway has.
+    factory = loop_factory(os.environ.get(LOOP_ENV))
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    web.run_app(app, host=args.host, port=args.port, print=None, loop=loop)
     return 0
 
 

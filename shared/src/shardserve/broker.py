@@ -256,9 +256,20 @@ class Broker:
             raise UnavailableError(f"message broker refused the publish: {exc}") from exc
 
     async def consume(
-        self, queue: str, handler: MessageHandler, *, prefetch: int, exclusive: bool = False
+        self,
+        queue: str,
+        handler: MessageHandler,
+        *,
+        prefetch: int,
+        exclusive: bool = False,
+        no_ack: bool = False,
     ) -> str:
-        """Consume a declared queue on its own channel; bad messages are dead-lettered."""
+        """Consume a declared queue on its own channel; bad messages are dead-lettered.
+
+        ``no_ack``: the broker forgets a message once sent (no ack frame per delivery). Only
+        for queues that die with their consumer (a reply, result or collective queue):
+        there a redelivery could never happen anyway; a bad message is counted and dropped.
+        """
         assert self._connection is not None
         channel = await self._connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=prefetch)
@@ -268,7 +279,7 @@ class Broker:
         async def on_message(incoming: AbstractIncomingMessage) -> None:
             await self._dispatch(incoming, handler)
 
-        tag = await q.consume(on_message, exclusive=exclusive)
+        tag = await q.consume(on_message, exclusive=exclusive, no_ack=no_ack)
         self._consumers[tag] = q
         return tag
 
@@ -335,10 +346,12 @@ class Broker:
         except CodecError as exc:
             self.dead_lettered += 1
             _logger.warning("dead-lettering a message from %s: %s", incoming.routing_key, exc)
-            await incoming.reject(requeue=False)
+            if not incoming.processed:  # (a no-ack delivery is already gone)
+                await incoming.reject(requeue=False)
             return
         if message is None:
-            await incoming.ack()
+            if not incoming.processed:
+                await incoming.ack()
             return
         async with incoming.process(requeue=False, ignore_processed=True):
             await handler(message, incoming)

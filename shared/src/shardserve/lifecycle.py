@@ -16,6 +16,8 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
+from shardserve.eventloop import LOOP_ENV, loop_factory
+
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -43,7 +45,8 @@ def setup_logging(service: str, level: str | None = None) -> None:
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
-    """Run ``main(stop)`` on a fresh loop; SIGTERM/SIGINT set ``stop``. Returns an exit code."""
+    """Run ``main(stop)`` on a fresh loop (uvloop unless SHARDSERVE_EVENT_LOOP=asyncio);
+    SIGTERM/SIGINT set ``stop``. Returns an exit code."""
 
     async def runner() -> None:
         stop = asyncio.Event()
@@ -52,8 +55,10 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
+    factory = loop_factory(os.environ.get(LOOP_ENV))
     try:
-        asyncio.run(runner())
+        with asyncio.Runner(loop_factory=factory) as loop_runner:
+            loop_runner.run(runner())
     except KeyboardInterrupt:
         return 130
     return 0

@@ -33,8 +33,8 @@ class StandInBroker:
     async def declare(self, queue: topology.Queue, bindings: tuple[Any, ...] = ()) -> None:
         self.declared = queue
 
-    async def consume(self, queue: str, handler: Any, *, prefetch: int) -> str:
-        self.handler, self.prefetch = handler, prefetch
+    async def consume(self, queue: str, handler: Any, *, prefetch: int, no_ack: bool) -> str:
+        self.handler, self.prefetch, self.no_ack = handler, prefetch, no_ack
         return "ctag"
 
     def add_state_listener(self, listener: Any) -> None:
@@ -69,6 +69,7 @@ async def test_reply_resolves_the_waiting_request() -> None:
     dispatcher = await started(broker)
     assert broker.declared == topology.reply_queue("gw-1")
     assert broker.prefetch == 256
+    assert broker.no_ack is True  # exclusive reply queue: nothing to redeliver
     call = asyncio.create_task(dispatcher.call(request()))
     await broker.sent.wait()
     sent = broker.published[0]

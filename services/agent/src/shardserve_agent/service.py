@@ -163,7 +163,10 @@ class AgentService:
         work = agent_work_queue(group.servable, group.version, rank)
         await self._broker.declare(parts, self._bindings)
         await self._broker.declare(work, self._bindings)
-        await self._broker.consume(parts.name, self._on_part, prefetch=COLLECTIVE_PREFETCH)
+        # No acks: parts are only useful to this process (the queue goes with it).
+        await self._broker.consume(
+            parts.name, self._on_part, prefetch=COLLECTIVE_PREFETCH, no_ack=True
+        )
         return await self._broker.consume(work.name, self._worker.handle, prefetch=WORK_PREFETCH)
 
     async def _serve_until_stopped(self, stop: asyncio.Event, work_tag: str) -> None:

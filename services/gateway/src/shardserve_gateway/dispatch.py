@@ -126,7 +126,10 @@ class AmqpDispatcher:
         connection."""
         self._bundler_task = asyncio.create_task(self.bundler.run(), name="request-bundler")
         await self._broker.declare(self._queue)
-        await self._broker.consume(self._queue.name, self._on_reply, prefetch=REPLY_PREFETCH)
+        # No acks: the queue is exclusive, a reply can never be redelivered elsewhere.
+        await self._broker.consume(
+            self._queue.name, self._on_reply, prefetch=REPLY_PREFETCH, no_ack=True
+        )
         self._broker.add_state_listener(self.connection_changed)
 
     async def close(self) -> None:

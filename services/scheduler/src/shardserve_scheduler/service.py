@@ -174,8 +174,12 @@ class SchedulerService:
 
     async def _start_consuming(self) -> None:
         me = self.settings.scheduler_id
+        # No acks on results: the queue is exclusive, it dies with this scheduler.
         await self.broker.consume(
-            topology.scheduler_result_queue(me).name, self._on_result, prefetch=RESULT_PREFETCH
+            topology.scheduler_result_queue(me).name,
+            self._on_result,
+            prefetch=RESULT_PREFETCH,
+            no_ack=True,
         )
         await self.broker.consume(
             topology.scheduler_control_queue(me).name, self._on_control, prefetch=CONTROL_PREFETCH
