@@ -276,8 +276,10 @@ class Broker:
         self._consume_channels.append(channel)
         q = await self._consumable(channel, queue)
 
+        order = InOrder()
+
         async def on_message(incoming: AbstractIncomingMessage) -> None:
-            await self._dispatch(incoming, handler)
+            await self._dispatch(incoming, handler, order)
 
         tag = await q.consume(on_message, exclusive=exclusive, no_ack=no_ack)
         self._consumers[tag] = q
@@ -337,7 +339,24 @@ class Broker:
         if queue is not None:
             await asyncio.wait_for(queue.cancel(consumer_tag), self._settings.publish_timeout_s)
 
-    async def _dispatch(self, incoming: AbstractIncomingMessage, handler: MessageHandler) -> None:
+    async def _dispatch(
+        self, incoming: AbstractIncomingMessage, handler: MessageHandler, order: InOrder
+    ) -> None:
+        before, mine = order.ticket()
+        try:
+            message = await self._decoded(incoming)
+            if before is not None:
+                await before  # the previous delivery has reached its handler
+        finally:
+            mine.set_result(None)  # (wakes the next delivery after this one's handler starts)
+        if message is None:
+            return
+        async with incoming.process(requeue=False, ignore_processed=True):
+            await handler(message, incoming)
+
+    async def _decoded(self, incoming: AbstractIncomingMessage) -> Message | None:
+        """The delivery's message; None when there is nothing to hand over (a chunk of a
+        message still incomplete, or a bad message, dead-lettered here)."""
         try:
             body = chunking.incoming().take(incoming.headers, incoming.body)
             # A chunk held until its message is whole: acked now (its message is lost with
@@ -348,13 +367,10 @@ class Broker:
             _logger.warning("dead-lettering a message from %s: %s", incoming.routing_key, exc)
             if not incoming.processed:  # (a no-ack delivery is already gone)
                 await incoming.reject(requeue=False)
-            return
-        if message is None:
-            if not incoming.processed:
-                await incoming.ack()
-            return
-        async with incoming.process(requeue=False, ignore_processed=True):
-            await handler(message, incoming)
+            return None
+        if message is None and not incoming.processed:
+            await incoming.ack()
+        return message
 
     async def close(self) -> None:
         """Close channels and the connection, in reverse order of opening."""
@@ -368,6 +384,26 @@ class Broker:
                 await _close_quietly(own)
         await self._connection.close()
         self._connection = None
+
+
+class InOrder:
+    """Hands one consumer's deliveries to its handler in arrival order.
+
+    Each delivery is its own task, and a big one is decoded in a thread: without this, a
+    small message arriving after a big one would reach the handler first. Agents must take
+    stage work in the order it was published (every rank of a stage in the same order, or
+    their collectives wait on each other crosswise), and requests are admitted first come
+    first served. Only the start of each handler is ordered: a slow handler does not hold
+    up the next one."""
+
+    def __init__(self) -> None:
+        self._last: asyncio.Future[None] | None = None
+
+    def ticket(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """(the previous delivery's future, this one's); call on arrival, before any await."""
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        before, self._last = self._last, mine
+        return before, mine
 
 
 async def _close_quietly(channel: AbstractChannel) -> None:

@@ -41,20 +41,56 @@ class Collective(Protocol):
 
 
 async def run_stage(
-    stage: StageSpec, runners: Mapping[str, SegmentRunner], inputs: Env, collective: Collective
+    stage: StageSpec,
+    runners: Mapping[str, SegmentRunner],
+    inputs: Env,
+    collective: Collective,
+    *,
+    stacked: int = 0,
 ) -> Env:
-    """Run ``stage.program`` from ``inputs``; return the stage's declared outputs."""
+    """Run ``stage.program`` from ``inputs``; return the stage's declared outputs.
+
+    ``stacked`` > 0: every tensor holds that many instances on a new leading axis (a model
+    without a batch dimension, several requests in one job). Each segment runs once per
+    instance, exactly as it would alone; each collective exchanges the stacked array in
+    one part (an allgather's axis moves one place right), so a job of k instances costs
+    the ranks one message per collective instead of k."""
     env: Env = dict(inputs)
     step = 0
     for op in stage.program:
         if isinstance(op, RunOp):
             runner = runners[op.file]
             feeds = {name: env[name] for name in runner.input_names}
-            env.update(await runner.run(feeds))
+            if stacked:
+                env.update(await _run_stacked(runner, feeds, stacked))
+            else:
+                env.update(await runner.run(feeds))
             continue
-        env[op.output] = await _combined(collective, step, op, env[op.input])
+        env[op.output] = await _combined(collective, step, _shifted(op, stacked), env[op.input])
         step += 1
     return {name: env[name] for name in stage.outputs}
+
+
+async def _run_stacked(
+    runner: SegmentRunner, feeds: Mapping[str, np.ndarray], count: int
+) -> dict[str, np.ndarray]:
+    """Run ``runner`` once per stacked instance; stack each output back."""
+    for name, array in feeds.items():
+        if array.ndim == 0 or array.shape[0] != count:
+            raise ValueError(
+                f"stacked input {name!r} has shape {list(array.shape)}, expected {count} "
+                "instances on its first axis"
+            )
+    outputs = [await runner.run({n: a[i] for n, a in feeds.items()}) for i in range(count)]
+    return {name: np.stack([out[name] for out in outputs]) for name in outputs[0]}
+
+
+def _shifted(op: AllGatherOp | AllReduceOp, stacked: int) -> AllGatherOp | AllReduceOp:
+    """The collective on stacked arrays: an allgather along axis a >= 0 of one instance is
+    along a + 1 of the stack (a negative axis counts from the end: unchanged)."""
+    if stacked and isinstance(op, AllGatherOp) and op.axis >= 0:
+        return op.model_copy(update={"axis": op.axis + 1})
+    return op
 
 
 async def _combined(
@@ -213,10 +249,15 @@ def _default_session(path: Path) -> object:
 
 
 async def run_group_locally(
-    repo: Path, group: GroupConfig, inputs: Env, session_factory: SessionFactory | None = None
+    repo: Path,
+    group: GroupConfig,
+    inputs: Env,
+    session_factory: SessionFactory | None = None,
+    *,
+    stacked: int = 0,
 ) -> list[Env]:
     """Run a whole group in this process: every stage, every rank. Returns, per last-stage
-    rank, its outputs (they must all be equal)."""
+    rank, its outputs (they must all be equal). ``stacked``: as for ``run_stage``."""
     from shardserve.repository import verify_rank_files
 
     make = session_factory or _default_session
@@ -234,7 +275,8 @@ async def run_group_locally(
                 for name, path in files.items()
                 if name in runs
             }
-            jobs.append(run_stage(stage, runners, current, _LocalCollective(local, index)))
+            collective = _LocalCollective(local, index)
+            jobs.append(run_stage(stage, runners, current, collective, stacked=stacked))
         results = list(await asyncio.gather(*jobs))
         current = results[0]
     return results

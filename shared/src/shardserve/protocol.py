@@ -155,6 +155,10 @@ class StageWork(_Message):
     deadline: float
     result_to: str
     requests: tuple[str, ...] = ()
+    # > 0: the inputs are that many instances of a servable without a batch dimension,
+    # stacked on a new leading axis; each rank runs its segments once per instance and
+    # exchanges their collective parts together (see shardserve.program.run_stage).
+    stacked: int = Field(default=0, ge=0)
 
 
 class StageResult(_Message):

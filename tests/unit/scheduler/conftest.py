@@ -128,8 +128,10 @@ class Kit:
         *,
         value: float | None = None,
         error: Any = None,
+        shape: tuple[int, ...] | None = None,
     ) -> StageResult:
-        """A rank's answer to a stage: outputs = inputs + 1 (or ``value``), leader ships them."""
+        """A rank's answer to a stage: outputs = inputs + 1 (or ``value``, in ``shape`` if
+        given), the leader ships them."""
         w = work.work
         if error is not None:
             return StageResult(
@@ -143,6 +145,8 @@ class Kit:
         source = next(iter(w.inputs.values())).to_numpy()
         out_name = group.stages[w.stage].outputs[0]
         array = np.full_like(source, value) if value is not None else source + 1
+        if shape is not None:
+            array = np.full(shape, value or 0.0, dtype=source.dtype)
         outputs = {out_name: Tensor.from_numpy(array)}
         leader = group.leader_of(w.stage)
         return StageResult(

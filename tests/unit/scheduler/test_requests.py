@@ -16,9 +16,16 @@ from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, 
 from shardserve_scheduler.requests import RequestMachine
 
 
-def machine(max_inflight: int = 64, queue_factor: int = 10) -> RequestMachine:
+def machine(
+    max_inflight: int = 64, queue_factor: int = 10, max_batch_size: int = 1
+) -> RequestMachine:
+    """Without batching by default: one job per instance (stacking is tested on its own)."""
     return RequestMachine(
-        result_to="results.q", id_prefix="t", max_inflight=max_inflight, queue_factor=queue_factor
+        result_to="results.q",
+        id_prefix="t",
+        max_inflight=max_inflight,
+        queue_factor=queue_factor,
+        max_batch_size=max_batch_size,
     )
 
 
@@ -321,3 +328,58 @@ def test_exactly_one_reply_per_request_under_random_event_orders(kit: Any) -> No
     group = kit.group(rank_size=4, stage_size=2)
     for seed in range(60):
         _random_session(kit, group, seed)
+
+
+# ---------------------------------------------------------------- stacking (no batch dim)
+
+
+def test_instances_without_batch_dim_stack_while_the_stage_is_busy(kit: Any) -> None:
+    group = kit.group()
+    m = machine(max_batch_size=8)
+    (first,) = of(PublishStageWork, m.accept(kit.call(group, kit.request("a"), "ca"), 0.0))
+    assert first.work.stacked == 0  # the stage was free: it left alone, at once
+    for name in "bcd":
+        assert (
+            of(PublishStageWork, m.accept(kit.call(group, kit.request(name), f"c{name}"), 0.1))
+            == []
+        )
+    actions = answer_stage(kit, m, first, group)
+    assert only_reply(actions).correlation_id == "ca"
+    (stacked,) = of(PublishStageWork, actions)
+    assert stacked.work.stacked == 3 and stacked.work.requests == ("b", "c", "d")
+    assert stacked.work.inputs["x"].shape == (3, 2, 3)
+    replies = of(Reply, answer_stage(kit, m, stacked, group))
+    assert [r.correlation_id for r in replies] == ["cb", "cc", "cd"]
+    for reply in replies:
+        (result,) = reply.reply.instances
+        assert result.outputs is not None and result.outputs["y"].shape == (2, 3)
+
+
+def test_instances_of_one_request_travel_as_one_stacked_job(kit: Any) -> None:
+    group = kit.group()
+    m = machine(max_batch_size=8)
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request(instances=3)), 0.0))
+    assert work.work.stacked == 3
+    reply = only_reply(answer_stage(kit, m, work, group))
+    values = [r.outputs["y"].to_numpy()[0, 0] for r in reply.reply.instances]  # type: ignore[index]
+    assert values == [1.0, 2.0, 3.0]
+
+
+def test_a_stacked_job_that_fails_fails_every_instance_in_it(kit: Any) -> None:
+    group = kit.group()
+    m = machine(max_batch_size=8)
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request(instances=2)), 0.0))
+    error = ErrorInfo(code=ErrorCode.STAGE_FAILED, message="boom")
+    reply = only_reply(m.on_result(kit.result(work, 0, group, error=error), 1.0))
+    # Every instance failed the same way: the reply carries that one error.
+    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.STAGE_FAILED
+    assert reply.reply.error.message == "rank 0 failed stage 0 of matmul v1: boom"
+
+
+def test_a_stacked_output_without_the_stack_axis_is_an_internal_error(kit: Any) -> None:
+    group = kit.group(rank_size=1)
+    m = machine(max_batch_size=8)
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request(instances=2)), 0.0))
+    reply = only_reply(m.on_result(kit.result(work, 0, group, value=1.0, shape=(3, 3)), 1.0))
+    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
+    assert "expected the 2 stacked instances" in reply.reply.error.message

@@ -182,7 +182,9 @@ class StageWorker:
         started = time.perf_counter()
         try:
             inputs: Env = {name: work.inputs[name].to_numpy() for name in self._slice.stage.inputs}
-            outputs = await run_stage(self._slice.stage, self._slice.runners, inputs, collective)
+            outputs = await run_stage(
+                self._slice.stage, self._slice.runners, inputs, collective, stacked=work.stacked
+            )
             if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
                 tensors, digest = await asyncio.to_thread(_finished_tensors, outputs)
             else:

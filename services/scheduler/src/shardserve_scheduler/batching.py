@@ -10,6 +10,14 @@ are byte-identical share a batch (they are keyed by the digest of those inputs).
 A model with a fixed batch dim (``max_batch_size`` > 0 in group.json) gets exactly that
 many rows: MindSpore pads with copies of instance 0; we pad with zeros, and the padded
 rows are dropped from the outputs.
+
+A model *without* a batch dimension cannot take several instances in one run, but they
+can still travel as one job: instances of the same input shapes are *stacked* on a new
+leading axis (``stack``/``unstack``); every rank runs its segments once per instance and
+exchanges the collectives of all of them in one message (``StageWork.stacked``). The
+per-job cost (deliveries, digests, results from every rank) is then paid once for the lot.
+Only small instances stack (``STACK_MAX_BYTES``): big ones gain nothing and would make
+big messages.
 """
 
 from __future__ import annotations
@@ -72,6 +80,38 @@ def chunk(inputs: TensorMap, no_batch: Collection[str], rows: int, limit: int) -
             }
         )
     return pieces
+
+
+STACK_MAX_BYTES = 1024 * 1024  # tensor bytes of one instance, at most, to be stacked
+
+
+def stackable(inputs: TensorMap) -> bool:
+    return sum(len(t.data) for t in inputs.values()) <= STACK_MAX_BYTES
+
+
+def stack_key(inputs: TensorMap) -> str:
+    """Instances stack only with instances of the same input names, dtypes and shapes."""
+    return ";".join(f"{n}:{t.dtype}:{list(t.shape)}" for n, t in sorted(inputs.items()))
+
+
+def stack(pieces: list[Piece]) -> TensorMap:
+    """One job's inputs from several instances: each input stacked on a new axis 0."""
+    return {
+        name: Tensor.from_numpy(np.stack([p.inputs[name].to_numpy() for p in pieces]))
+        for name in pieces[0].inputs
+    }
+
+
+def unstack(outputs: TensorMap, count: int) -> list[TensorMap]:
+    """Each instance's outputs from a stacked job's; ValueError if an output is not stacked."""
+    for name, tensor in outputs.items():
+        if not tensor.shape or tensor.shape[0] != count:
+            raise ValueError(
+                f"model output {name!r} has shape {list(tensor.shape)}; expected the "
+                f"{count} stacked instances on its first axis"
+            )
+    arrays = {name: t.to_numpy() for name, t in outputs.items()}
+    return [{name: Tensor.from_numpy(a[i]) for name, a in arrays.items()} for i in range(count)]
 
 
 def batch_key(inputs: TensorMap, no_batch: Collection[str]) -> str:

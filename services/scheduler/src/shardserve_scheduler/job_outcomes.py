@@ -41,7 +41,10 @@ class JobOutcomes(Replies):
     def _finish_job(self, job: Job, outputs: TensorMap, now: float) -> list[Action]:
         actions = self._retire(job, now)
         try:
-            parts = batching.split(outputs, job.ranges) if job.ranges else [outputs]
+            if job.stacked:
+                parts = batching.unstack(outputs, job.stacked)
+            else:
+                parts = batching.split(outputs, job.ranges) if job.ranges else [outputs]
         except ValueError as exc:
             return actions + self._fail_members(job, ErrorCode.INTERNAL, str(exc), now)
         for member, part in zip(job.members, parts, strict=True):

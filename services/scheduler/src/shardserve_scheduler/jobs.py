@@ -79,6 +79,7 @@ class Job:
     timeline: Timeline
     stage: int = -1  # -1: queued, not yet published
     results: dict[int, StageResult] = field(default_factory=dict)
+    stacked: int = 0  # > 0: that many instances stacked (a model without a batch dim)
 
     @property
     def servable(self) -> str:
@@ -110,6 +111,7 @@ class Lane:
     group: GroupConfig
     batcher: Batcher | None = None
     no_batch: frozenset[str] = frozenset()
+    stacking: bool = False  # the batcher stacks instances (no batch dim) instead of rows
     inflight: set[str] = field(default_factory=set)
     queued: deque[Job] = field(default_factory=deque)
 

@@ -96,8 +96,13 @@ class MachineState:
             group = call.group
             limit = group.max_batch_size or self.max_batch_size
             batches = group.with_batch_dim and (group.max_batch_size > 0 or limit > 1)
-            batcher = Batcher(limit, self.batch_delay) if batches else None
-            lane = self._lanes[call.lane_key] = Lane(group, batcher, call.method.no_batch_inputs)
+            stacks = not group.with_batch_dim and limit > 1
+            # Stacking never waits for company: instances leave at once while a stage is
+            # free, and pile up into one job only while every stage is busy (Lane.hungry).
+            delay = 0.0 if stacks else self.batch_delay
+            batcher = Batcher(limit, delay) if batches or stacks else None
+            lane = Lane(group, batcher, call.method.no_batch_inputs, stacking=stacks)
+            self._lanes[call.lane_key] = lane
         return lane
 
     def _new_id(self, kind: str) -> str:

@@ -58,9 +58,16 @@ class Progress(JobOutcomes):
             message = f"stage {step.index} ({step.tag}) input: {text}"
             return self._fail_instance(state, index, ErrorCode.BAD_INPUT, message, now)
         instance.where = "waiting for the model"
-        if lane.batcher is None:
+        member = (state.key, index, 0, instance.step)
+        if lane.batcher is None or (lane.stacking and not batching.stackable(inputs)):
             instance.chunks = [None]
-            self._queue_job(lane, [((state.key, index, 0, instance.step), inputs)], None, now)
+            self._queue_job(lane, [(member, inputs)], None, now)
+            return []
+        if lane.stacking:
+            instance.chunks = [None]
+            piece = Piece(member, inputs, 1, now, batching.stack_key(inputs))
+            for full in lane.batcher.add(piece):
+                self._batch_job(lane, full, now)
             return []
         pieces = batching.chunk(inputs, lane.no_batch, rows, lane.batcher.limit)
         instance.chunks = [None] * len(pieces)
@@ -76,6 +83,13 @@ class Progress(JobOutcomes):
         live = [p for p in pieces if self._alive(*alive_key(p.member))]
         if not live:
             return
+        if lane.stacking and len(live) > 1:
+            inputs = batching.stack(live)
+            self._queue_job(lane, [(p.member, inputs) for p in live], None, now, len(live))
+            return
+        if lane.stacking:  # one instance: a plain job
+            self._queue_job(lane, [(live[0].member, live[0].inputs)], None, now)
+            return
         inputs, ranges = batching.combine(live, lane.no_batch, lane.group.max_batch_size)
         self._queue_job(lane, [(p.member, inputs) for p in live], ranges, now)
 
@@ -85,6 +99,7 @@ class Progress(JobOutcomes):
         members: list[tuple[Member, TensorMap]],
         ranges: tuple[tuple[int, int], ...] | None,
         now: float,
+        stacked: int = 0,
     ) -> None:
         states = [self.requests[m[0]] for m, _ in members]
         job = Job(
@@ -95,6 +110,7 @@ class Progress(JobOutcomes):
             members[0][1],
             max(s.call.request.deadline for s in states),
             Timeline(min(s.accepted_at for s in states)),
+            stacked=stacked,
         )
         job.timeline.mark(now, f"queued ({len(members)} member(s))")
         self.jobs[job.id] = job
@@ -171,5 +187,6 @@ class Progress(JobOutcomes):
             deadline=job.deadline,
             result_to=self.result_to,
             requests=tuple(ids),
+            stacked=job.stacked,
         )
         return PublishStageWork(work)
