@@ -118,8 +118,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "--max-batch-size",
         type=positive_int,
         default=default("MAX_BATCH_SIZE", 32),
-        help="rows per model run for with_batch_dim servables without a fixed batch dim "
-        "(default 32; 1 disables batching: one job per instance)",
+        help="rows per model run for with_batch_dim servables without a fixed batch dim, "
+        "instances per stacked job for servables without a batch dim "
+        "(default 32; 1 disables both: one job per instance)",
     )
     add(
         "--python-workers",
