@@ -111,6 +111,30 @@ async def test_fifty_concurrent_requests_each_get_their_own_answer(matmul_mesh: 
     for x, (status, reply) in zip(xs, replies, strict=True):
         assert status == 200, reply
         assert np.max(np.abs(output_y(reply) - unsliced(x))) <= 1e-5
+    # The MatMul has no batch dim: requests that arrived while the ranks were busy went as
+    # stacked jobs (several instances per job), and each still got its own answer above.
+    await _until(lambda: _mesh_counter(matmul_mesh, "batched_instances_total") >= 50)
+    assert _mesh_counter(matmul_mesh, "batches_total") < _mesh_counter(
+        matmul_mesh, "batched_instances_total"
+    )
+
+
+def _mesh_counter(mesh: Any, name: str) -> float:
+    """A servable counter of the mesh, as the gateway's /metrics exports it."""
+    import urllib.request
+
+    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
+        lines = resp.read().decode().splitlines()
+    prefix = f"shardserve_servable_{name}{{"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+
+
+async def _until(condition: Any, within_s: float = 15.0) -> None:
+    """Wait for the scheduler's next status (counters arrive with it)."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "status never caught up"
+        await asyncio.sleep(0.2)
 
 
 async def test_tensors_above_the_chunk_size_travel_as_chunks(
