@@ -174,15 +174,19 @@ class Broker:
         broker cannot answer."""
         if not self.healthy or self._connection is None:
             raise UnavailableError("message broker is unreachable")
+        connection = self._connection
         try:
-            channel = await self._connection.channel(publisher_confirms=False)
-            try:
-                declared = await channel.declare_queue(queue, passive=True, robust=False)
-                return int(declared.declaration_result.message_count or 0)
-            finally:
-                await _close_quietly(channel)
+            # Bounded: a connection lost mid-call can leave the channel's RPC unanswered,
+            # and the caller (the status loop) must not wait for it forever.
+            async with asyncio.timeout(self._settings.publish_timeout_s):
+                channel = await connection.channel(publisher_confirms=False)
+                try:
+                    declared = await channel.declare_queue(queue, passive=True, robust=False)
+                    return int(declared.declaration_result.message_count or 0)
+                finally:
+                    await _close_quietly(channel)
         except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
-            raise UnavailableError(f"could not inspect queue {queue}: {exc}") from exc
+            raise UnavailableError(f"could not inspect queue {queue}: {exc!r}") from exc
 
     async def publish(
         self,
@@ -230,7 +234,10 @@ class Broker:
         assert channel is not None
         expiration = _expiration(deadline)
         try:
-            underlay = await channel.get_underlay_channel()
+            # Bounded too: while a channel is being restored this waits for it.
+            underlay = await asyncio.wait_for(
+                channel.get_underlay_channel(), self._settings.publish_timeout_s
+            )
             # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.chunking).
             for part, headers in chunking.split(body, chunking.max_message_bytes()):
                 properties = spec.Basic.Properties(
