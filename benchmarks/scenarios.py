@@ -38,6 +38,7 @@ from shardserve.localmesh import free_port, rss_bytes
 MATMUL_IN_BYTES = 128 * 96 * 4
 MATMUL_OUT_BYTES = 128 * 16 * 4
 MLP_HIDDEN, MLP_FFN, MLP_LAYERS = 1024, 4096, 2
+BATCH_MLP_LAYERS = 1  # the batching target's model: "MLP 1024->4096->1024", one block
 BATCH_CLIENTS = 32
 PIPELINE_CLIENTS = 8  # max-inflight 1 queues 10 jobs at most: more clients would be refused
 LARGE_SIZES_MB = (1, 16, 64)
@@ -283,9 +284,14 @@ def pp16(run: Run) -> None:
 
 
 def batching(run: Run) -> None:
-    """The MLP (1024->4096->1024, 2 blocks), one row per request, 32 clients: dynamic
-    batching on (up to 32 rows per job) vs off (max batch size 1)."""
-    repo = mlp_repo(run, 1)
+    """The issue's MLP, 1024->4096->1024 (one block), one row per request, 32 clients:
+    dynamic batching on (up to 32 rows per job) vs off (max batch size 1). The same for the
+    two-block MLP of the pipeline and memory scenarios (``mlp2.*``), for comparison."""
+    for prefix, layers in (("mlp", BATCH_MLP_LAYERS), ("mlp2", MLP_LAYERS)):
+        _batching(run, prefix, mlp_repo(run, 1, layers=layers))
+
+
+def _batching(run: Run, prefix: str, repo: Path) -> None:
     body = make_body("binary", mlp_input(1, MLP_HIDDEN))
     variants = {
         "batched": {
@@ -296,9 +302,9 @@ def batching(run: Run) -> None:
     }
     for name, env in variants.items():
         with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
-            key = f"mlp.{name}.c{BATCH_CLIENTS}"
+            key = f"{prefix}.{name}.c{BATCH_CLIENTS}"
             http_load(run, key, mesh.infer_url("mlp"), body, BATCH_CLIENTS, mesh_pids(mesh))
-            run.results[f"mlp.{name}.batches"] = _batch_counters(mesh, "mlp")
+            run.results[f"{prefix}.{name}.batches"] = _batch_counters(mesh, "mlp")
 
 
 def _batch_counters(mesh: Mesh, servable: str) -> dict[str, Any]:
