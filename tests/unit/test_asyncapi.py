@@ -9,7 +9,13 @@ import yaml
 
 from shardserve.client.asyncapi import build_asyncapi, main
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferReply, InferRequest, InstanceResult
+from shardserve.protocol import (
+    InferReply,
+    InferReplyBundle,
+    InferRequest,
+    InferRequestBundle,
+    InstanceResult,
+)
 
 COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "asyncapi.yaml"
 REGENERATE = "python -m shardserve.client.asyncapi docs/asyncapi.yaml"
@@ -53,7 +59,7 @@ def _refs(node: Any) -> Any:
 def test_payload_schemas_cover_the_public_models() -> None:
     schemas = build_asyncapi()["components"]["schemas"]
     assert {"InferRequest", "InferReply", "Tensor", "ErrorInfo", "InstanceResult"} <= set(schemas)
-    for model in (InferRequest, InferReply, InstanceResult):
+    for model in (InferRequest, InferReply, InstanceResult, InferRequestBundle, InferReplyBundle):
         assert set(schemas[model.__name__]["properties"]) == set(model.model_fields)
     assert schemas["InferRequest"]["properties"]["kind"]["const"] == "infer.request"
     assert schemas["InferRequest"]["additionalProperties"] is False
@@ -71,5 +77,13 @@ def test_channels_name_the_request_exchange_and_the_reply_queue() -> None:
     request = channels["shardserve.requests/{servable}"]
     assert request["bindings"]["amqp"]["exchange"]["name"] == "shardserve.requests"
     assert request["bindings"]["amqp"]["exchange"]["type"] == "topic"
-    assert request["publish"]["message"]["$ref"].endswith("/InferRequest")
-    assert channels["{reply_to}"]["subscribe"]["message"]["$ref"].endswith("/InferReply")
+    sent = [m["$ref"] for m in request["publish"]["message"]["oneOf"]]
+    assert sent == [
+        "#/components/messages/InferRequest",
+        "#/components/messages/InferRequestBundle",
+    ]
+    received = [m["$ref"] for m in channels["{reply_to}"]["subscribe"]["message"]["oneOf"]]
+    assert received == [
+        "#/components/messages/InferReply",
+        "#/components/messages/InferReplyBundle",
+    ]

@@ -19,7 +19,13 @@ from pydantic.json_schema import models_json_schema
 from shardserve import __version__, topology
 from shardserve.codec import CONTENT_TYPE
 from shardserve.errors import ErrorCode, http_status
-from shardserve.protocol import SCHEMA_VERSION, InferReply, InferRequest
+from shardserve.protocol import (
+    SCHEMA_VERSION,
+    InferReply,
+    InferReplyBundle,
+    InferRequest,
+    InferRequestBundle,
+)
 from shardserve.tensors import BYTES_DTYPE, DTYPE_TO_DATATYPE
 
 ASYNCAPI_VERSION = "2.6.0"
@@ -154,8 +160,14 @@ def _request_channel() -> dict[str, Any]:
         },
         "publish": {
             "operationId": "sendInferRequest",
-            "summary": "Ask a servable's method to run on some instances.",
-            "message": {"$ref": "#/components/messages/InferRequest"},
+            "summary": "Ask a servable's method to run on some instances (several requests "
+            "may travel as one InferRequestBundle).",
+            "message": {
+                "oneOf": [
+                    {"$ref": "#/components/messages/InferRequest"},
+                    {"$ref": "#/components/messages/InferRequestBundle"},
+                ]
+            },
             "bindings": {
                 "amqp": {
                     "replyTo": True,
@@ -193,8 +205,14 @@ def _reply_channel() -> dict[str, Any]:
         },
         "subscribe": {
             "operationId": "receiveInferReply",
-            "summary": "Exactly one reply per request.",
-            "message": {"$ref": "#/components/messages/InferReply"},
+            "summary": "Exactly one reply per request; a queue that sent an "
+            "InferRequestBundle may get several replies in one InferReplyBundle.",
+            "message": {
+                "oneOf": [
+                    {"$ref": "#/components/messages/InferReply"},
+                    {"$ref": "#/components/messages/InferReplyBundle"},
+                ]
+            },
         },
     }
 
@@ -213,14 +231,25 @@ def _messages() -> dict[str, Any]:
         for name, kind, summary in (
             ("InferRequest", "infer.request", "A request to run one servable method."),
             ("InferReply", "infer.reply", "The outcome of one InferRequest."),
+            (
+                "InferRequestBundle",
+                "infer.request.bundle",
+                "Several InferRequests in one message, each with its own correlation id "
+                "(the message has none); each is admitted as if it came alone.",
+            ),
+            (
+                "InferReplyBundle",
+                "infer.reply.bundle",
+                "Several InferReplies in one message, each with its request's correlation "
+                "id; sent only to reply queues that have sent an InferRequestBundle.",
+            ),
         )
     }
 
 
 def _schemas() -> dict[str, Any]:
-    _, top = models_json_schema(
-        [(InferRequest, "validation"), (InferReply, "validation")], ref_template=REF
-    )
+    models = (InferRequest, InferReply, InferRequestBundle, InferReplyBundle)
+    _, top = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas: dict[str, Any] = top["$defs"]
     schemas["InferRequest"]["description"] = REQUEST_DESCRIPTION
     schemas["InferReply"]["description"] = REPLY_DESCRIPTION
