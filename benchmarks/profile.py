@@ -24,6 +24,7 @@ from pathlib import Path
 from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
 from benchmarks.loadgen import LoadSpec, load_http
 from benchmarks.meshes import dedicated_vhost, running_mesh, service_pids
+from benchmarks.scenarios import MLP_FFN, MLP_HIDDEN, MLP_LAYERS
 
 # Frames whose inclusive share answers "where does the time go" (function name, file).
 HOT_FRAMES = (
@@ -93,8 +94,8 @@ def _export(model: str, repo: Path, body_kind: str) -> Body:
     if model == "mlp":
         from shardserve.export.mlp import export_mlp
 
-        export_mlp(repo, rank_size=1, stage_size=1, hidden=1024, ffn=4096, layers=2)
-        return make_body(body_kind, mlp_input(1, 1024))
+        export_mlp(repo, hidden=MLP_HIDDEN, ffn=MLP_FFN, layers=MLP_LAYERS)
+        return make_body(body_kind, mlp_input(1, MLP_HIDDEN))
     from shardserve.export.matmul import export_matmul
 
     export_matmul(repo, rank_size=1)

@@ -9,10 +9,15 @@ its own vhost, so meshes, schedulers and leftovers of one test never see another
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
+# Helpers shared by unit and integration tests (tests run with --import-mode=importlib).
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from shardserve.localmesh import base_amqp_url, isolated_vhost
 from shardserve.settings import AMQP_URL_ENV

@@ -7,6 +7,7 @@ one agent process per rank; tests talk to it over HTTP and RabbitMQ only.
 from __future__ import annotations
 
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,13 @@ class Mesh(LocalMesh):
         if code is None and started:
             raise AssertionError(f"shardserve up did not stop in {timeout}s:\n{self.log_tail()}")
         return code or 0
+
+    def metric(self, name: str) -> float:
+        """The sum over labels of one metric in the gateway's ``/metrics``."""
+        with urllib.request.urlopen(self.http_url + "/metrics", timeout=10) as resp:
+            lines = resp.read().decode().splitlines()
+        picked = (line for line in lines if line.startswith((name + " ", name + "{")))
+        return sum(float(line.rsplit(" ", 1)[1]) for line in picked)
 
 
 def export(kind: str, out: Path, *args: str) -> Path:

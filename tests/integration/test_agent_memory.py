@@ -20,10 +20,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from twin_slices import write_two_segments
 
 from shardserve.export.matmul import export_matmul
 from shardserve.program import run_stage
-from shardserve.protocol import TensorSpec
 from shardserve.repository import (
     RunOp,
     load_group,
@@ -32,7 +32,7 @@ from shardserve.repository import (
     sha256_file,
     write_group,
 )
-from shardserve.slicing import RankSlice, SliceLayout, slice_pipeline, write_slices
+from shardserve.slicing import slice_pipeline
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice, load_slice
 
@@ -195,40 +195,9 @@ def _stop_traced(strace: subprocess.Popen[bytes]) -> None:
 # --- shared weights ------------------------------------------------------------------------
 
 
-def _segment(inputs: str, output: str, w: np.ndarray) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", [inputs, "W"], [output])],
-        output,
-        [helper.make_tensor_value_info(inputs, TensorProto.FLOAT, [4, w.shape[0]])],
-        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [4, w.shape[1]])],
-        [numpy_helper.from_array(w, "W")],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def write_two_segment_slice(out: Path, name: str, size: int) -> None:
-    """One rank, two segments (h = x @ W, y = h @ W) over the same weight W."""
-    w = (np.random.default_rng(0).standard_normal((size, size)) / size).astype(np.float32)
-    spec = {n: TensorSpec(name=n, datatype="FP32", shape=(4, size)) for n in ("x", "y")}
-    layout = SliceLayout(
-        servable=name,
-        version=1,
-        rank_size=1,
-        stage_size=1,
-        inputs=(spec["x"],),
-        outputs=(spec["y"],),
-        stage_io=((("x",), ("y",)),),
-    )
-    program = (RunOp(file="first.onnx"), RunOp(file="second.onnx"))
-    segments = {"first.onnx": _segment("x", "h", w), "second.onnx": _segment("h", "y", w)}
-    write_slices(out, layout, lambda rank: RankSlice(program, segments))
-
-
 @pytest.fixture(scope="module")
 def shared_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    repo = tmp_path_factory.mktemp("shared") / "repo"
-    write_two_segment_slice(repo, "twin", 256)
-    return repo
+    return write_two_segments(tmp_path_factory.mktemp("shared") / "repo", "twin")
 
 
 async def test_shared_weight_is_one_array_used_by_both_sessions(shared_repo: Path) -> None:

@@ -113,20 +113,9 @@ async def test_fifty_concurrent_requests_each_get_their_own_answer(matmul_mesh: 
         assert np.max(np.abs(output_y(reply) - unsliced(x))) <= 1e-5
     # The MatMul has no batch dim: requests that arrived while the ranks were busy went as
     # stacked jobs (several instances per job), and each still got its own answer above.
-    await _until(lambda: _mesh_counter(matmul_mesh, "batched_instances_total") >= 50)
-    assert _mesh_counter(matmul_mesh, "batches_total") < _mesh_counter(
-        matmul_mesh, "batched_instances_total"
-    )
-
-
-def _mesh_counter(mesh: Any, name: str) -> float:
-    """A servable counter of the mesh, as the gateway's /metrics exports it."""
-    import urllib.request
-
-    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
-        lines = resp.read().decode().splitlines()
-    prefix = f"shardserve_servable_{name}{{"
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix))
+    instances, jobs = (f"shardserve_servable_{n}_total" for n in ("batched_instances", "batches"))
+    await _until(lambda: matmul_mesh.metric(instances) >= 50)
+    assert matmul_mesh.metric(jobs) < matmul_mesh.metric(instances)
 
 
 async def _until(condition: Any, within_s: float = 15.0) -> None:

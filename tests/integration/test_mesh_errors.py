@@ -108,15 +108,7 @@ def test_bad_input_never_reaches_the_broker(mesh_matmul8: Any) -> None:
 
 
 def published_requests(mesh: Any) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith("shardserve_gateway_published_requests_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return float(mesh.metric("shardserve_gateway_published_requests_total"))
 
 
 def run_agent(mesh: Any, rank: int, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -177,24 +169,12 @@ def wait_for(probe: Any, status: int, timeout: float) -> tuple[int, Any]:
     raise AssertionError(f"expected status {status} within {timeout}s, last {last}")
 
 
-def metric_value(mesh: Any, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(mesh.http_url + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
-
-
 async def test_malformed_amqp_is_dead_lettered_and_counted(mesh_matmul8: Any) -> None:
     import aio_pika
 
     from shardserve import topology
 
-    before = metric_value(mesh_matmul8, "shardserve_dead_lettered_total")
+    before = mesh_matmul8.metric("shardserve_dead_lettered_total")
     connection = await aio_pika.connect(mesh_matmul8.amqp_url)
     async with connection:
         channel = await connection.channel()
@@ -202,7 +182,7 @@ async def test_malformed_amqp_is_dead_lettered_and_counted(mesh_matmul8: Any) ->
         for body in (b"\xc1 not msgpack", b"\x81\xa1v\x63"):  # bad bytes; schema version 99
             await exchange.publish(aio_pika.Message(body), routing_key="matmul")
     deadline = time.monotonic() + 15
-    while metric_value(mesh_matmul8, "shardserve_dead_lettered_total") < before + 2:
+    while mesh_matmul8.metric("shardserve_dead_lettered_total") < before + 2:
         assert time.monotonic() < deadline, "dead letters were not counted"
         await asyncio.sleep(0.3)
     assert mesh_matmul8.get("/v2/health/ready")[0] == 200  # the consumer kept running

@@ -15,6 +15,7 @@ from typing import Any
 import aio_pika
 import numpy as np
 import pytest
+from queue_roundtrip import REPLY_WAIT_S, roundtrip
 
 from shardserve import codec
 from shardserve.errors import ErrorCode
@@ -31,7 +32,6 @@ from shardserve.tensors import Tensor
 pytestmark = pytest.mark.integration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "queue_client.py"
-REPLY_WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -127,30 +127,6 @@ async def publisher(mesh: Any) -> AsyncIterator[Any]:
     connection = await aio_pika.connect(mesh.amqp_url)
     async with connection:
         yield connection
-
-
-async def roundtrip(
-    connection: aio_pika.abc.AbstractConnection, request: InferRequest, *, expire: bool = True
-) -> InferReply:
-    """Publish one request as any other system would; return its reply."""
-    channel = await connection.channel()
-    replies = await channel.declare_queue(exclusive=True, auto_delete=True)
-    exchange = await channel.get_exchange("shardserve.requests", ensure=True)
-    correlation_id = uuid.uuid4().hex
-    message = aio_pika.Message(
-        codec.encode(request),
-        content_type=codec.CONTENT_TYPE,
-        reply_to=replies.name,
-        correlation_id=correlation_id,
-        expiration=max(0.001, request.deadline - time.time()) if expire else None,
-    )
-    await exchange.publish(message, routing_key=request.servable, mandatory=True)
-    async with asyncio.timeout(REPLY_WAIT_S), replies.iterator() as incoming:
-        async for reply in incoming:
-            async with reply.process():
-                assert reply.correlation_id == correlation_id
-                return codec.decode_as(reply.body, InferReply)
-    raise AssertionError("reply queue closed without a reply")
 
 
 def matmul_request(x: np.ndarray, *, deadline_in_s: float = 30.0, **fields: Any) -> InferRequest:

@@ -4,7 +4,6 @@ transformer mesh (2 ranks), over HTTP and over the queue-level API."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.error
@@ -16,10 +15,10 @@ from typing import Any
 import aio_pika
 import numpy as np
 import pytest
+from queue_roundtrip import roundtrip
 
-from shardserve import codec
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferReply, InferRequest
+from shardserve.protocol import InferRequest
 from shardserve.tensors import Tensor
 
 pytestmark = pytest.mark.integration
@@ -136,29 +135,8 @@ async def test_queue_level_request_gets_bad_input_from_the_scheduler(mesh: Any) 
         instances=({"input_ids": Tensor.from_numpy(np.array([[3, VOCAB + 7]], np.int64))},),
         deadline=time.time() + 30,
     )
-    reply = await roundtrip(mesh.amqp_url, request)
+    async with await aio_pika.connect(mesh.amqp_url) as connection:
+        reply = await roundtrip(connection, request, expire=False)
     error = reply.error or (reply.instances[0].error if reply.instances else None)
     assert error is not None and error.code == ErrorCode.BAD_INPUT, reply
     assert "outside [0, 49]: found 57" in error.message
-
-
-async def roundtrip(amqp_url: str, request: InferRequest) -> InferReply:
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        replies = await channel.declare_queue(exclusive=True, auto_delete=True)
-        exchange = await channel.get_exchange("shardserve.requests", ensure=True)
-        correlation_id = uuid.uuid4().hex
-        message = aio_pika.Message(
-            codec.encode(request),
-            content_type=codec.CONTENT_TYPE,
-            reply_to=replies.name,
-            correlation_id=correlation_id,
-        )
-        await exchange.publish(message, routing_key=request.servable, mandatory=True)
-        async with asyncio.timeout(60), replies.iterator() as incoming:
-            async for reply in incoming:
-                async with reply.process():
-                    assert reply.correlation_id == correlation_id
-                    return codec.decode_as(reply.body, InferReply)
-    raise AssertionError("reply queue closed without a reply")

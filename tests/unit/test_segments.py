@@ -10,61 +10,21 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from twin_slices import SIZE, matmul_segment, weight, write_two_segments
 
 from shardserve import lite
 from shardserve.cli import main as cli_main
 from shardserve.errors import RepositoryError, UnsafePathError
-from shardserve.protocol import TensorSpec
-from shardserve.repository import RunOp, load_group, rank_checksum, rank_dir
+from shardserve.repository import load_group, rank_checksum, rank_dir
 from shardserve.segments import (
     MIN_SHARED_BYTES,
     find_shared_weights,
     rank_segments,
     segment_files,
 )
-from shardserve.slicing import RankSlice, SliceLayout, slice_pipeline, write_slices
+from shardserve.slicing import slice_pipeline
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import load_slice
-
-SIZE = 256  # a SIZE x SIZE float32 weight is 256 KiB, above MIN_SHARED_BYTES
-
-
-def _matmul(inputs: str, output: str, weight: np.ndarray, name: str = "W") -> onnx.ModelProto:
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", [inputs, name], [output])],
-        output,
-        [helper.make_tensor_value_info(inputs, TensorProto.FLOAT, [4, weight.shape[0]])],
-        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [4, weight.shape[1]])],
-        [numpy_helper.from_array(weight, name)],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def _weight(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((SIZE, SIZE)) / SIZE).astype(np.float32)
-
-
-def write_two_segments(out: Path, name: str, second_seed: int = 0) -> Path:
-    """One rank, two segments (h = x @ W, y = h @ W'); W' is W when ``second_seed`` is 0."""
-    spec = {n: TensorSpec(name=n, datatype="FP32", shape=(4, SIZE)) for n in ("x", "y")}
-    layout = SliceLayout(
-        servable=name,
-        version=1,
-        rank_size=1,
-        stage_size=1,
-        inputs=(spec["x"],),
-        outputs=(spec["y"],),
-        stage_io=((("x",), ("y",)),),
-    )
-    program = (RunOp(file="first.onnx"), RunOp(file="second.onnx"))
-    segments = {
-        "first.onnx": _matmul("x", "h", _weight(0)),
-        "second.onnx": _matmul("h", "y", _weight(second_seed)),
-    }
-    write_slices(out, layout, lambda rank: RankSlice(program, segments))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +53,7 @@ def test_segments_are_the_files_the_program_runs_identified_by_their_sha256(
 
 def test_a_segment_with_external_data_is_identified_with_its_data(tmp_path: Path) -> None:
     source = tmp_path / "mm.onnx"
-    onnx.save(_matmul("x", "y", _weight(0)), source)
+    onnx.save(matmul_segment("x", "y", weight(0)), source)
     slice_pipeline(source, tmp_path / "repo", stages=1, name="ext", external_threshold=16)
     group = load_group(tmp_path / "repo", "ext", 1)
     [(name, segment)] = rank_segments(tmp_path / "repo", group, 0).items()
@@ -105,7 +65,7 @@ def test_a_segment_with_external_data_is_identified_with_its_data(tmp_path: Path
 
 def test_unlisted_external_data_and_foreign_files_are_refused(tmp_path: Path) -> None:
     source = tmp_path / "mm.onnx"
-    onnx.save(_matmul("x", "y", _weight(0)), source)
+    onnx.save(matmul_segment("x", "y", weight(0)), source)
     slice_pipeline(source, tmp_path / "repo", stages=1, name="ext", external_threshold=16)
     group = load_group(tmp_path / "repo", "ext", 1)
     folder = rank_dir(tmp_path / "repo", "ext", 1, 0)
@@ -127,7 +87,7 @@ def test_a_weight_with_the_same_name_and_bytes_is_shared(twin_repo: Path) -> Non
     assert set(shared.values) == {"W"}
     assert shared.users["W"] == ("first.onnx", "second.onnx")
     assert shared.nbytes == SIZE * SIZE * 4 >= MIN_SHARED_BYTES
-    np.testing.assert_array_equal(shared.arrays["W"], _weight(0))
+    np.testing.assert_array_equal(shared.arrays["W"], weight(0))
     assert set(shared.for_segment("second.onnx")) == {"W"}
 
 
