@@ -81,7 +81,8 @@ async def test_each_service_user_can_do_its_job(brokers: dict[str, Broker]) -> N
     scheduler, gateway, agent = brokers["scheduler"], brokers["gateway"], brokers["agent"]
     # scheduler: its queues, bindings and consumers
     bindings = topology.scheduler_bindings("s1")
-    for queue in (topology.request_queue(), topology.scheduler_control_queue("s1"),
+    for queue in (topology.request_queue(), topology.request_queue("quorum"),
+                  topology.scheduler_control_queue("s1"),
                   topology.scheduler_result_queue("s1"), topology.dead_letter_queue(),
                   topology.scheduler_leader_queue()):  # fmt: skip
         await scheduler.declare(queue, bindings)

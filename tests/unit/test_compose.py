@@ -194,6 +194,7 @@ def _needs() -> dict[str, dict[str, list[str]]]:
     reply, status = topology.reply_queue("gw1").name, topology.status_queue("gw1").name
     scheduler_queues = [
         topology.REQUEST_QUEUE,
+        topology.QUORUM_REQUEST_QUEUE,
         topology.scheduler_control_queue("sched-1").name,
         topology.scheduler_result_queue("sched-1").name,
         topology.SCHEDULER_LEADER_QUEUE,
@@ -239,7 +240,11 @@ def _needs() -> dict[str, dict[str, list[str]]]:
 
 FORBIDDEN = {
     "gateway": {
-        "read": [topology.REQUEST_QUEUE, topology.agent_work_queue("m", 1, 0).name],
+        "read": [
+            topology.REQUEST_QUEUE,
+            topology.QUORUM_REQUEST_QUEUE,
+            topology.agent_work_queue("m", 1, 0).name,
+        ],
         "write": [topology.STAGE_EXCHANGE, topology.COLLECTIVE_EXCHANGE, DEFAULT_EXCHANGE],
     },
     "scheduler": {
@@ -248,13 +253,18 @@ FORBIDDEN = {
         "configure": [topology.agent_work_queue("m", 1, 0).name],
     },
     "agent": {
-        "read": [topology.REQUEST_QUEUE, topology.scheduler_result_queue("s").name],
+        "read": [
+            topology.REQUEST_QUEUE,
+            topology.QUORUM_REQUEST_QUEUE,
+            topology.scheduler_result_queue("s").name,
+        ],
         "write": [topology.REQUESTS_EXCHANGE, topology.STAGE_EXCHANGE],
-        # (REQUEST_QUEUE has its own name since it became a quorum queue, ".q1")
+        # (each request queue type has its own name: ".c1" classic, ".q1" quorum)
         "configure": [
             topology.scheduler_result_queue("s").name,
             topology.scheduler_control_queue("s").name,
             topology.REQUEST_QUEUE,
+            topology.QUORUM_REQUEST_QUEUE,
         ],
     },
 }

@@ -34,14 +34,32 @@ async def test_each_failed_attempt_moves_to_the_next_url() -> None:
     await asyncio.sleep(0)
 
 
-def test_request_and_leader_queues_are_quorum_single_active_consumer() -> None:
-    for queue in (topology.request_queue(), topology.scheduler_leader_queue()):
-        assert queue.durable and not queue.exclusive and not queue.auto_delete
-        assert queue.arguments["x-queue-type"] == "quorum"
+def test_request_and_leader_queues_are_single_active_consumer() -> None:
+    queues = (topology.request_queue(), topology.request_queue("quorum"))
+    for queue in (*queues, topology.scheduler_leader_queue()):
+        assert not queue.exclusive and not queue.auto_delete
         assert queue.arguments["x-single-active-consumer"] is True
-    request = topology.request_queue().arguments
-    assert request["x-overflow"] == "reject-publish" and request["x-max-length"] > 0
-    assert topology.REQUEST_QUEUE != topology.REQUESTS_EXCHANGE
+    for request in queues:
+        assert request.arguments["x-overflow"] == "reject-publish"
+        assert request.arguments["x-max-length"] > 0
+        assert request.name != topology.REQUESTS_EXCHANGE
+
+
+def test_quorum_queues_are_durable_and_the_classic_request_queue_transient() -> None:
+    for queue in (topology.request_queue("quorum"), topology.scheduler_leader_queue()):
+        assert queue.durable and queue.arguments["x-queue-type"] == "quorum"
+    classic = topology.request_queue()
+    assert not classic.durable and "x-queue-type" not in classic.arguments
+    # RabbitMQ refuses to redeclare a queue with another type: each type has its own name
+    assert classic.name != topology.request_queue("quorum").name
+
+
+def test_the_scheduler_binds_the_request_queue_of_its_type() -> None:
+    for kind in topology.REQUEST_QUEUE_TYPES:
+        bound = {b.queue for b in topology.scheduler_bindings("a", kind)}
+        assert topology.request_queue(kind).name in bound
+        other = "quorum" if kind == "classic" else "classic"
+        assert topology.request_queue(other).name not in bound
 
 
 def test_each_scheduler_has_its_own_control_and_result_queue() -> None:

@@ -6,8 +6,9 @@ layout can be read (and tested) in one place. ``declare_*`` helpers in
 
 Exchanges (type) -> routing key -> bound queues:
 
-- shardserve.requests (topic): <servable> -> shardserve.requests.q1 (the active scheduler;
-  a quorum queue with single-active-consumer, bounded, per-message expiry from deadlines)
+- shardserve.requests (topic): <servable> -> shardserve.requests.c1 (the active scheduler;
+  single-active-consumer, bounded, per-message expiry from deadlines; a transient classic
+  queue, or the quorum queue shardserve.requests.q1 on a cluster, see ``request_queue``)
 - shardserve.stage (direct): <servable>.<version>.s<stage>
   -> shardserve.agent.<servable>.<version>.r<rank>, for every rank of that stage
 - shardserve.collective (direct): <servable>.<version>.s<stage>
@@ -40,16 +41,19 @@ COLLECTIVE_EXCHANGE = "shardserve.collective"
 CONTROL_EXCHANGE = "shardserve.control"
 DEAD_EXCHANGE = "shardserve.dead"
 
-# ".q1": the queue became a quorum queue; RabbitMQ refuses to redeclare an existing queue
-# with other arguments (PRECONDITION_FAILED), so a changed type gets a new name.
-REQUEST_QUEUE = "shardserve.requests.q1"
+RequestQueueType = Literal["classic", "quorum"]
+REQUEST_QUEUE_TYPES: tuple[RequestQueueType, ...] = ("classic", "quorum")
+# RabbitMQ refuses to redeclare an existing queue with other arguments
+# (PRECONDITION_FAILED), so each type of request queue has its own name.
+REQUEST_QUEUE = "shardserve.requests.c1"  # classic, the default
+QUORUM_REQUEST_QUEUE = "shardserve.requests.q1"
 # Prefixes: each scheduler instance has its own control and result queue (``.<id>``).
 SCHEDULER_CONTROL_QUEUE = "shardserve.scheduler.control"
 SCHEDULER_RESULT_QUEUE = "shardserve.scheduler.results"
 # ".q2": bounded, with a delivery limit (see ``scheduler_leader_queue``); new arguments,
 # so a new name (see REQUEST_QUEUE).
 SCHEDULER_LEADER_QUEUE = "shardserve.scheduler.leader.q2"
-DEAD_LETTER_QUEUE = "shardserve.dead-letters.q1"  # ".q1": quorum now (see REQUEST_QUEUE)
+DEAD_LETTER_QUEUE = "shardserve.dead-letters.q1"  # ".q1": became a quorum queue (a new name)
 
 KEY_AGENT_HELLO = "agent.hello"
 KEY_AGENT_HEARTBEAT = "agent.heartbeat"
@@ -115,22 +119,32 @@ def dead_letter_queue() -> Queue:
     )
 
 
-def request_queue() -> Queue:
-    """The schedulers' inbox: a quorum queue (replicated across a cluster, RabbitMQ 3.8+),
-    bounded and refusing publishes when full; messages expire at their deadline (the
-    per-message expiration set by ``Broker.publish``). Single-active-consumer: only the
-    active scheduler ever receives requests, even while a takeover is in progress."""
-    return Queue(
-        REQUEST_QUEUE,
-        durable=True,
-        arguments={
-            **_DEAD_LETTERED,
-            "x-queue-type": "quorum",
-            "x-single-active-consumer": True,
-            "x-max-length": REQUEST_QUEUE_MAX_LENGTH,
-            "x-overflow": "reject-publish",
-        },
-    )
+def request_queue_name(kind: RequestQueueType = "classic") -> str:
+    return QUORUM_REQUEST_QUEUE if kind == "quorum" else REQUEST_QUEUE
+
+
+def request_queue(kind: RequestQueueType = "classic") -> Queue:
+    """The schedulers' inbox: bounded and refusing publishes when full; messages expire at
+    their deadline (the per-message expiration set by ``Broker.publish``).
+    Single-active-consumer: only the active scheduler ever receives requests, even while a
+    takeover is in progress.
+
+    ``classic`` (default): a transient queue. A request lives for its deadline and its
+    reply queue dies with its gateway's connection, so keeping requests on disk buys
+    nothing on one broker, and a quorum queue's log costs RabbitMQ 3x the CPU per 48 KiB
+    request (``python -m benchmarks.hop_properties``: 0.075 vs 0.23 ms). ``quorum``: the
+    requests survive the loss of a broker node of a cluster (replicated, RabbitMQ 3.8+);
+    choose it where the broker is a cluster (deploy/k8s does). Every scheduler of a mesh
+    must use the same type: both queues would be bound to the requests exchange."""
+    arguments: dict[str, Any] = {
+        **_DEAD_LETTERED,
+        "x-single-active-consumer": True,
+        "x-max-length": REQUEST_QUEUE_MAX_LENGTH,
+        "x-overflow": "reject-publish",
+    }
+    if kind == "quorum":
+        arguments["x-queue-type"] = "quorum"
+    return Queue(request_queue_name(kind), durable=kind == "quorum", arguments=arguments)
 
 
 def scheduler_leader_queue() -> Queue:
@@ -177,10 +191,12 @@ def scheduler_result_queue(instance: str) -> Queue:
     )
 
 
-def scheduler_bindings(instance: str) -> tuple[Binding, ...]:
+def scheduler_bindings(
+    instance: str, request_queue_type: RequestQueueType = "classic"
+) -> tuple[Binding, ...]:
     control = scheduler_control_queue(instance).name
     return (
-        Binding(REQUEST_QUEUE, REQUESTS_EXCHANGE, "#"),
+        Binding(request_queue_name(request_queue_type), REQUESTS_EXCHANGE, "#"),
         Binding(control, CONTROL_EXCHANGE, "agent.*"),
         Binding(control, CONTROL_EXCHANGE, KEY_SCHEDULER_COMMAND),
         Binding(DEAD_LETTER_QUEUE, DEAD_EXCHANGE, ""),

@@ -107,6 +107,7 @@ class SchedulerService:
         self._idle.set()
         self._readiness = self.registry.readiness()
         self._request_consumer = ""
+        self._request_queue = topology.request_queue_name(settings.request_queue)
         self._closing = False
         self.leadership = Leadership(
             self.broker, settings.scheduler_id, self._become_active, self._step_down
@@ -166,9 +167,10 @@ class SchedulerService:
 
     async def _declare(self) -> None:
         me = self.settings.scheduler_id
-        bindings = topology.scheduler_bindings(me)
+        kind = self.settings.request_queue
+        bindings = topology.scheduler_bindings(me, kind)
         await self.broker.declare(topology.dead_letter_queue(), bindings)
-        await self.broker.declare(topology.request_queue(), bindings)
+        await self.broker.declare(topology.request_queue(kind), bindings)
         await self.broker.declare(topology.scheduler_control_queue(me), bindings)
         await self.broker.declare(topology.scheduler_result_queue(me), bindings)
 
@@ -198,7 +200,7 @@ class SchedulerService:
         except InferenceError as exc:  # agents are re-learnt from their heartbeats anyway
             _logger.warning("could not say hello to the agents: %s", exc)
         self._request_consumer = await self.broker.consume(
-            topology.REQUEST_QUEUE, self._on_request, prefetch=REQUEST_PREFETCH
+            self._request_queue, self._on_request, prefetch=REQUEST_PREFETCH
         )
         self._status_changed.set()
 
@@ -399,7 +401,7 @@ class SchedulerService:
         waiting; when the broker cannot say, what this scheduler counted itself."""
         try:
             dead = await self.broker.ready_count(topology.DEAD_LETTER_QUEUE)
-            waiting = await self.broker.ready_count(topology.REQUEST_QUEUE)
+            waiting = await self.broker.ready_count(self._request_queue)
         except InferenceError:
             return self.dead_lettered_requests + self.broker.dead_lettered, 0
         return dead, waiting

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardserve import topology
 from shardserve.settings import (
     BrokerSettings,
     env_default,
@@ -46,6 +47,7 @@ class SchedulerSettings:
     max_batch_size: int = 32
     python_workers: int = 4
     repository_poll_seconds: float = 2.0
+    request_queue: topology.RequestQueueType = "classic"
     scheduler_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -135,6 +137,14 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="rescan the repository this often for added/removed version folders "
         "(default 2; 0 = only on a RepositoryCommand 'load')",
     )
+    add(
+        "--request-queue",
+        choices=topology.REQUEST_QUEUE_TYPES,
+        default=default("REQUEST_QUEUE", "classic"),
+        help="type of the request queue: classic (default; transient, 3x cheaper for "
+        "RabbitMQ) or quorum (requests survive the loss of a node of a RabbitMQ cluster); "
+        "every scheduler of a mesh must use the same",
+    )
     return parser
 
 
@@ -156,5 +166,6 @@ def parse_settings(
         max_batch_size=int(args.max_batch_size),
         python_workers=int(args.python_workers),
         repository_poll_seconds=float(args.repository_poll_seconds),
+        request_queue=args.request_queue,
         broker=BrokerSettings.from_env(dict(env)),
     )

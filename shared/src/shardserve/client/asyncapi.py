@@ -136,8 +136,9 @@ def _servers() -> dict[str, Any]:
 def _request_channel() -> dict[str, Any]:
     return {
         "description": f"Exchange `{topology.REQUESTS_EXCHANGE}` (topic), routing key = "
-        f"the servable name; the scheduler's durable queue `{topology.REQUEST_QUEUE}` "
-        f"(bounded to {topology.REQUEST_QUEUE_MAX_LENGTH} messages, publishes refused when "
+        f"the servable name; the scheduler's queue `{topology.REQUEST_QUEUE}` (or the "
+        f"quorum queue `{topology.QUORUM_REQUEST_QUEUE}` with `--request-queue quorum`; "
+        f"bounded to {topology.REQUEST_QUEUE_MAX_LENGTH} messages, publishes refused when "
         "full: use publisher confirms to see it) takes every key.",
         "parameters": {
             "servable": {
