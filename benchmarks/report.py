@@ -123,14 +123,33 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             "-",
             "the same with twice the compute per row (1024-4096-1024-4096-1024)",
         ),
+        _ceiling(
+            r,
+            "mlp.ceiling",
+            "MLP compute alone, 32-row / 1-row runs (rows/s)",
+            "the batching ratio's ceiling: onnxruntime in-process, 1 thread",
+        ),
         Ratio(
             "MLP 2-stage pipelined / max-inflight 1 c8 (req/s)",
             _div(_get(r, "pipeline.pipelined.c8", "rps"), _get(r, "pipeline.serial.c8", "rps")),
             ">= 1.7",
             "pipeline parallelism across stages",
         ),
+        _ceiling(
+            r,
+            "pipeline.ceiling",
+            "2 stage slices at once / one after another (rows/s)",
+            "the pipelining ratio's ceiling: onnxruntime in-process, a thread each",
+        ),
         memory_ratio(r),
     ]
+
+
+def _ceiling(results: dict[str, Any], key: str, name: str, detail: str) -> Ratio:
+    """A compute-only reference (``benchmarks.ceilings``), shown beside its target ratio."""
+    facts = results.get(key)
+    value = facts.get("ratio") if isinstance(facts, dict) else None
+    return Ratio(name, float(value) if isinstance(value, int | float) else None, "-", detail)
 
 
 def memory_ratio(results: dict[str, Any]) -> Ratio:

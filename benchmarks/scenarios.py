@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
 from benchmarks.broker_hop import Requester
+from benchmarks.ceilings import batching_ceiling, pipeline_ceiling
 from benchmarks.loadgen import LoadResult, LoadSpec, load_http, run_load, summarize
 from benchmarks.meshes import (
     CpuMeter,
@@ -121,6 +122,11 @@ def mlp_repo(
             layers=layers,
         ),
     )
+
+
+def slice_path(repo: Path, servable: str, rank: int) -> Path:
+    """The one-segment slice of ``rank`` in an exported repository (version 1)."""
+    return repo / servable / "1" / f"rank_{rank}" / "seg0.onnx"
 
 
 def reference_onnx(run: Run, name: str, model: onnx.ModelProto) -> Path:
@@ -288,7 +294,12 @@ def batching(run: Run) -> None:
     dynamic batching on (up to 32 rows per job) vs off (max batch size 1). The same for the
     two-block MLP of the pipeline and memory scenarios (``mlp2.*``), for comparison."""
     for prefix, layers in (("mlp", BATCH_MLP_LAYERS), ("mlp2", MLP_LAYERS)):
-        _batching(run, prefix, mlp_repo(run, 1, layers=layers))
+        repo = mlp_repo(run, 1, layers=layers)
+        seconds = run.spec(1).duration_s / 2
+        run.results[f"{prefix}.ceiling"] = batching_ceiling(
+            slice_path(repo, "mlp", 0), BATCH_CLIENTS, seconds
+        )
+        _batching(run, prefix, repo)
 
 
 def _batching(run: Run, prefix: str, repo: Path) -> None:
@@ -319,6 +330,8 @@ def pipeline(run: Run) -> None:
     """The MLP cut in 2 stages (1 rank each), batching off, 8 clients: jobs in flight
     unbounded (stage 0 works on job n+1 while stage 1 works on job n) vs max-inflight 1."""
     repo = mlp_repo(run, 2, 2)
+    stages = [slice_path(repo, "mlp", rank) for rank in (0, 1)]
+    run.results["pipeline.ceiling"] = pipeline_ceiling(stages, run.spec(1).duration_s / 2)
     body = make_body("binary", mlp_input(1, MLP_HIDDEN))
     variants = {
         "pipelined": dict(NO_BATCHING),
@@ -327,7 +340,7 @@ def pipeline(run: Run) -> None:
     for name, env in variants.items():
         with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
             key = f"pipeline.{name}.c{PIPELINE_CLIENTS}"
-            http_load(run, key, mesh.infer_url("mlp"), body, PIPELINE_CLIENTS)
+            http_load(run, key, mesh.infer_url("mlp"), body, PIPELINE_CLIENTS, mesh_pids(mesh))
 
 
 def memory(run: Run) -> None:

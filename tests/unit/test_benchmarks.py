@@ -21,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import floor_server  # noqa: E402
+from benchmarks.ceilings import batching_ceiling, pipeline_ceiling  # noqa: E402
 from benchmarks.bodies import binary_body, json_body, make_body  # noqa: E402
 from benchmarks.loadgen import LoadSpec, percentile, run_load, summarize  # noqa: E402
 from benchmarks.report import (  # noqa: E402
@@ -160,6 +161,45 @@ def test_ratios_from_results() -> None:
     assert ratios["TP8 JSON c32 / mesh rank1 JSON c32 (req/s)"].passed is None  # not measured
     assert not any("stdlib" in name for name in ratios)  # that floor was not run
     assert "n/a" in render(results, list(ratios.values()), ["a note"])
+
+
+def _linear_onnx(path: Path, width: int) -> Path:
+    """x[N, width] @ W[width, width], a batch dimension left free."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.eye(width, dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "linear",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", width])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+def test_ceilings_measure_rows_per_second_of_the_model_itself(tmp_path: Path) -> None:
+    model = _linear_onnx(tmp_path / "m.onnx", 8)
+    batching = batching_ceiling(model, 4, 0.05)
+    assert batching["rows_per_s_1"] > 0 and batching["rows_per_s_4"] > 0
+    assert batching["ratio"] == pytest.approx(batching["rows_per_s_4"] / batching["rows_per_s_1"])
+    pipeline = pipeline_ceiling([model, model], 0.05)
+    assert pipeline["rows_per_s_serial"] > 0 and pipeline["rows_per_s_concurrent"] > 0
+    expected = pipeline["rows_per_s_concurrent"] / pipeline["rows_per_s_serial"]
+    assert pipeline["ratio"] == pytest.approx(expected)
+
+
+def test_ceilings_are_shown_beside_their_targets_without_a_verdict() -> None:
+    results = {"mlp.ceiling": {"ratio": 5.5}, "pipeline.ceiling": {"ratio": 1.9}}
+    ratios = {r.name: r for r in compute_ratios(results)}
+    batching = ratios["MLP compute alone, 32-row / 1-row runs (rows/s)"]
+    pipeline = ratios["2 stage slices at once / one after another (rows/s)"]
+    assert batching.value == 5.5 and pipeline.value == 1.9
+    assert batching.passed is None and pipeline.passed is None
 
 
 def test_ratios_against_the_stdlib_floor_too() -> None:
