@@ -21,8 +21,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import floor_server  # noqa: E402
-from benchmarks.ceilings import batching_ceiling, pipeline_ceiling  # noqa: E402
 from benchmarks.bodies import binary_body, json_body, make_body  # noqa: E402
+from benchmarks.ceilings import batching_ceiling, pipeline_ceiling  # noqa: E402
 from benchmarks.loadgen import LoadSpec, percentile, run_load, summarize  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     Ratio,

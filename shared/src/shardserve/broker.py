@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
@@ -32,6 +34,7 @@ from aio_pika.abc import (
     AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
+    AbstractRobustChannel,
 )
 from aiormq import spec
 
@@ -169,9 +172,34 @@ class Broker:
         return declared
 
     async def ready_count(self, queue: str) -> int:
-        """Messages ready (not delivered) in a queue, from a passive declare on a channel of
-        its own (a missing queue closes that channel, not ours). UnavailableError when the
-        broker cannot answer."""
+        """Messages ready (not delivered) in a queue. UnavailableError when the broker
+        cannot answer or the queue does not exist."""
+        state = await self.queue_state(queue)
+        if state is None:
+            raise UnavailableError(f"could not inspect queue {queue}: it does not exist")
+        return state.ready
+
+    async def queue_state(self, queue: str) -> QueueState | None:
+        """Ready messages and consumers of a queue (None if it does not exist), from a
+        passive declare on a channel of its own: a missing queue closes that channel."""
+        async with self._side_channel(f"inspect queue {queue}") as channel:
+            try:
+                declared = await channel.declare_queue(queue, passive=True, robust=False)
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                return None
+            result = declared.declaration_result
+            return QueueState(int(result.message_count or 0), int(result.consumer_count or 0))
+
+    async def unbind(self, binding: Binding) -> None:
+        """Remove a binding of an existing queue (on a channel of its own)."""
+        async with self._side_channel(f"unbind queue {binding.queue}") as channel:
+            declared = await channel.declare_queue(binding.queue, passive=True, robust=False)
+            await declared.unbind(binding.exchange, routing_key=binding.routing_key)
+
+    @asynccontextmanager
+    async def _side_channel(self, what: str) -> AsyncIterator[AbstractRobustChannel]:
+        """A short-lived channel for one inspection or change; its errors (a missing queue
+        closes a channel) never touch the publish and consume channels."""
         if not self.healthy or self._connection is None:
             raise UnavailableError("message broker is unreachable")
         connection = self._connection
@@ -181,12 +209,11 @@ class Broker:
             async with asyncio.timeout(self._settings.publish_timeout_s):
                 channel = await connection.channel(publisher_confirms=False)
                 try:
-                    declared = await channel.declare_queue(queue, passive=True, robust=False)
-                    return int(declared.declaration_result.message_count or 0)
+                    yield channel
                 finally:
                     await _close_quietly(channel)
         except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
-            raise UnavailableError(f"could not inspect queue {queue}: {exc!r}") from exc
+            raise UnavailableError(f"could not {what}: {exc!r}") from exc
 
     async def publish(
         self,
@@ -411,6 +438,12 @@ class InOrder:
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         before, self._last = self._last, mine
         return before, mine
+
+
+@dataclass(frozen=True)
+class QueueState:
+    ready: int  # messages waiting, not delivered
+    consumers: int
 
 
 async def _close_quietly(channel: AbstractChannel) -> None:

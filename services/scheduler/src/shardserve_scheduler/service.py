@@ -56,6 +56,7 @@ from shardserve.protocol import (
 )
 from shardserve_scheduler.actions import Action, RunPython, error_reply
 from shardserve_scheduler.catalog import Catalog, load_catalog, log_catalog
+from shardserve_scheduler.inbox import unbind_other_request_queue
 from shardserve_scheduler.leadership import Leadership
 from shardserve_scheduler.pystages import run_python_task
 from shardserve_scheduler.registry import Registry
@@ -199,6 +200,7 @@ class SchedulerService:
             )
         except InferenceError as exc:  # agents are re-learnt from their heartbeats anyway
             _logger.warning("could not say hello to the agents: %s", exc)
+        await unbind_other_request_queue(self.broker, self.settings.request_queue)
         self._request_consumer = await self.broker.consume(
             self._request_queue, self._on_request, prefetch=REQUEST_PREFETCH
         )
