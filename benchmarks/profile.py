@@ -2,11 +2,14 @@
 
     .venv/bin/pip install py-spy   # a profiling tool, not a dependency of shardserve
     python -m benchmarks.profile [--body json|binary] [--clients 32] [--seconds 12]
+        [--model matmul|mlp] [--rank-size R] [--stage-size S] [--max-batch-size N]
 
-Starts the rank-1 matmul mesh on a dedicated vhost, attaches ``py-spy record`` (raw
-collapsed stacks, 100 Hz) to the gateway, the scheduler and the agent, drives the load,
-then prints per service the share of samples (busy time) spent in the functions that
-matter: inclusive percentages of a fixed list of hot-path frames, and the top leaves.
+Starts a mesh (the rank-1 matmul by default; TP8: ``--rank-size 8``; the pipeline
+benchmark's model: ``--model mlp --rank-size 2 --stage-size 2 --max-batch-size 1``) on a
+dedicated vhost, attaches ``py-spy record`` (raw collapsed stacks, 100 Hz) to the
+gateway, the scheduler and every agent, drives the load, then prints per service the
+share of samples (busy time) spent in the functions that matter: inclusive percentages
+of a fixed list of hot-path frames, and the top leaves.
 """
 
 from __future__ import annotations
@@ -89,17 +92,25 @@ def summarize_profile(name: str, text: str, seconds: float, rate: int) -> list[s
     return lines
 
 
-def _export(model: str, repo: Path, body_kind: str) -> Body:
+def _export(args: argparse.Namespace, repo: Path) -> Body:
     """Export the profiled model into ``repo``; the request body that goes with it."""
-    if model == "mlp":
+    ranks, stages = args.rank_size, args.stage_size
+    if args.model == "mlp":
         from shardserve.export.mlp import export_mlp
 
-        export_mlp(repo, hidden=MLP_HIDDEN, ffn=MLP_FFN, layers=MLP_LAYERS)
-        return make_body(body_kind, mlp_input(1, MLP_HIDDEN))
+        export_mlp(
+            repo,
+            rank_size=ranks,
+            stage_size=stages,
+            hidden=MLP_HIDDEN,
+            ffn=MLP_FFN,
+            layers=MLP_LAYERS,
+        )
+        return make_body(args.body, mlp_input(1, MLP_HIDDEN))
     from shardserve.export.matmul import export_matmul
 
-    export_matmul(repo, rank_size=1)
-    return make_body(body_kind, matmul_input())
+    export_matmul(repo, rank_size=ranks, stage_size=stages)
+    return make_body(args.body, matmul_input())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,13 +126,20 @@ def main(argv: list[str] | None = None) -> int:
         help="matmul (rank 1) or the batching benchmark's MLP (one row per request)",
     )
     parser.add_argument("--max-batch-size", type=int, default=32, help="scheduler batching")
+    parser.add_argument("--rank-size", type=int, default=1, help="ranks (TP8: 8)")
+    parser.add_argument(
+        "--stage-size",
+        type=int,
+        default=1,
+        help="pipeline stages (the 2-stage MLP: 2, with 2 ranks)",
+    )
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         print("py-spy is not installed: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="shardserve-profile-"))
-    body = _export(args.model, work / "repo", args.body)
+    body = _export(args, work / "repo")
     (work / "logs").mkdir()
     env = {"SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE": str(args.max_batch_size)}
     with (

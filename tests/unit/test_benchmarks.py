@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -261,6 +262,16 @@ def test_py_spy_collapsed_stacks_are_summarized() -> None:
     assert leaves["publish_raw (broker.py)"] == 4
     lines = summarize_profile("gateway", text, seconds=1.0, rate=100)
     assert any("60.0%  decode_request" in line for line in lines)
+
+
+def test_profile_exports_the_mesh_its_options_name(tmp_path: Path) -> None:
+    from benchmarks.profile import _export
+
+    args = argparse.Namespace(model="matmul", rank_size=2, stage_size=2, body="binary")
+    body = _export(args, tmp_path / "repo")
+    group = json.loads((tmp_path / "repo" / "matmul" / "1" / "group.json").read_text())
+    assert (group["rank_size"], group["stage_size"]) == (2, 2)
+    assert body.kind == "binary"
 
 
 def test_agent_load_lines_are_parsed() -> None:
