@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -103,8 +104,9 @@ def alive(pid: int) -> bool:
 
 
 def agent_pid(children: dict[int, str], rank: int) -> int | None:
-    return next((p for p, cmd in children.items() if cmd.endswith(f"--rank {rank} --threads 1")),
-                None)  # fmt: skip
+    # the thread count is the launcher's share of this machine's cores (any count)
+    wanted = re.compile(rf"--rank {rank} --threads \d+$")
+    return next((p for p, cmd in children.items() if wanted.search(cmd)), None)
 
 
 @pytest.fixture
@@ -116,6 +118,20 @@ def repo(tmp_path: Path) -> Path:
         check=True, capture_output=True, timeout=120,
     )  # fmt: skip
     return folder
+
+
+@pytest.fixture
+def warmed_repo(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``repo`` after ``shardserve warmup`` with its defaults, into a private cache home
+    that the launched mesh uses too (XDG_CACHE_HOME)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache-home"))
+    done = subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "warmup", str(repo)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "2 rank(s): 2 built" in done.stdout
+    return repo
 
 
 @pytest.fixture
@@ -259,3 +275,14 @@ def test_up_without_a_broker_says_which_variable_to_set(repo: Path) -> None:
     assert "SHARDSERVE_AMQP_URL" in result.stderr
     assert "secret" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_agents_started_by_up_hit_the_cache_warmup_built_with_its_defaults(
+    warmed_repo: Path, launcher: tuple[subprocess.Popen[bytes], str, Path]
+) -> None:
+    # warmup's default thread count is up's: the thread count is part of the cache key
+    process, base, log = launcher
+    wait_for("the mesh to get ready", lambda: http_status(f"{base}/v2/health/ready") == 200)
+    text = log.read_text()
+    assert text.count("compile cache hit") == 2, text[-3000:]
+    assert "compile cache miss" not in text

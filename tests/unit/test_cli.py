@@ -160,6 +160,9 @@ def test_up_and_status_parse_their_options() -> None:
         Path("/models"), 9000, "0.0.0.0", 2, True,
     )  # fmt: skip
     assert parser.parse_args(["up"]).repository is None
+    assert parser.parse_args(["up"]).threads is None  # auto: a share of the usable cores
+    assert parser.parse_args(["up", "--threads", "auto"]).threads is None
+    assert parser.parse_args(["warmup", "/m", "--threads", "auto"]).threads is None
     assert parser.parse_args(["up"]).repository_poll_seconds == 2.0
     assert parser.parse_args(["up", "--repository-poll-seconds", "0"]).repository_poll_seconds == 0
     with pytest.raises(SystemExit):

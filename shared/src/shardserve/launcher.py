@@ -40,6 +40,7 @@ from shardserve.launch.plan import (
     ensure_demo_repository,
     plan_children,
     repository_version_is_valid,
+    with_agent_threads,
 )
 from shardserve.launch.status import (
     StatusBoard,
@@ -165,8 +166,10 @@ def run_up(options: UpOptions) -> int:
         print(f"shardserve up: {exc}", file=sys.stderr)
         return EXIT_FAILED
     total = sum(g.rank_size for g in groups)
+    options, cores = with_agent_threads(options, total)
     print(
-        f"serving {repo}: {len(groups)} servable version(s), {total} agent(s); "
+        f"serving {repo}: {len(groups)} servable version(s), {total} agent(s) with "
+        f"{options.threads} onnxruntime thread(s) each ({cores} usable cores); "
         f"gateway on {public_url(options.host, options.http_port)}",
         flush=True,
     )

@@ -86,6 +86,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def threads_count(text: str) -> int | None:
+    """argparse type: onnxruntime threads, a count >= 1 or ``auto`` (None: from the cores,
+    see ``shardserve.cores``)."""
+    from shardserve.cores import parse_threads
+
+    try:
+        return parse_threads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = int(text)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from shardserve.cores import threads_per_agent, usable_cores
 from shardserve.errors import RepositoryError
+from shardserve.settings import threads_count
 
 if TYPE_CHECKING:
     from shardserve.compile_cache import CacheMode, SessionConfig
@@ -133,7 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--mode", choices=MODES, default="standard")
     parser.add_argument(
-        "--threads", type=_positive_int, default=1, help="onnxruntime threads (as the agents')"
+        "--threads",
+        type=threads_count,
+        default=None,
+        help="onnxruntime threads, as the agents' (default auto: what 'shardserve up' gives "
+        "each agent of this repository on this machine)",
     )
     parser.add_argument(
         "--share-weights",
@@ -146,20 +152,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", type=int, default=None, help="only this version")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def up_threads(repo: Path) -> int:
+    """The thread count ``shardserve up`` gives each agent of ``repo`` here (every version
+    found counts, as at its start)."""
+    agents = sum(group.rank_size for group in groups_of(repo, None, None))
+    return threads_per_agent(agents, usable_cores())
 
 
 def run_warmup(args: argparse.Namespace) -> int:
     try:
+        threads = args.threads or up_threads(args.repository)
+        print(f"onnxruntime threads: {threads}", flush=True)
         results = warmup(
             args.repository,
             cache_dir=args.cache_dir,
             mode=args.mode,
-            threads=args.threads,
+            threads=threads,
             servable=args.servable,
             version=args.version,
             share_weights=args.share_weights,

@@ -69,6 +69,14 @@ def test_default_cache_dir_follows_xdg(tmp_path: Path) -> None:
     assert folder == tmp_path / "shardserve" / "matmul" / "2" / "rank_1"
 
 
+def test_threads_auto_is_every_usable_core() -> None:
+    from shardserve.cores import usable_cores
+
+    assert parse_settings([*REQUIRED, "--threads", "auto"], environ={}).threads == usable_cores()
+    auto_env = {"SHARDSERVE_AGENT_THREADS": "auto"}
+    assert parse_settings(REQUIRED, environ=auto_env).threads == usable_cores()
+
+
 @pytest.mark.parametrize(
     "argv",
     [

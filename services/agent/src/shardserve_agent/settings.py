@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.compile_cache import CACHE_MODES, CacheMode
+from shardserve.cores import usable_cores
 from shardserve.settings import (
     BrokerSettings,
     env_default,
@@ -19,6 +20,7 @@ from shardserve.settings import (
     non_negative_int,
     positive_float,
     positive_int,
+    threads_count,
 )
 
 ENV_PREFIX = "SHARDSERVE_AGENT_"
@@ -135,9 +137,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     )
     add(
         "--threads",
-        type=positive_int,
-        default=default("THREADS") or 1,
-        help="onnxruntime intra-op threads per session (default 1)",
+        type=threads_count,
+        default=default("THREADS") or "1",
+        help="onnxruntime intra-op threads per session (default 1; auto: every core this "
+        "process may use, its affinity capped by its cgroup CPU quota, e.g. one agent per "
+        "container with a CPU limit)",
     )
     add("--cache-dir", type=Path, default=default("CACHE_DIR"), help=CACHE_DIR_HELP)
     add(
@@ -190,7 +194,7 @@ def parse_settings(
         servable=args.servable,
         rank=int(args.rank),
         version=None if args.version is None else int(args.version),
-        threads=int(args.threads),
+        threads=args.threads or usable_cores(),
         cache_dir=args.cache_dir,
         use_cache=bool(args.use_cache),
         cache_mode=_cache_mode(args.cache_mode),

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardserve.commands.common import positive_int
+from shardserve.settings import threads_count
 
 if TYPE_CHECKING:
     from shardserve.commands.common import Subparsers
@@ -47,7 +48,13 @@ def build_up(subparsers: Subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--http-port", type=int, default=8080)
     parser.add_argument("--wait-agents-seconds", type=float, default=0.0)
-    parser.add_argument("--threads", type=positive_int, default=1, help="onnxruntime threads")
+    parser.add_argument(
+        "--threads",
+        type=threads_count,
+        default=None,
+        help="onnxruntime threads per agent; default auto: an even share of the cores this "
+        "process may use (affinity, cgroup quota), one core left for the other services",
+    )
     parser.add_argument("--no-cache", action="store_true", help="agents skip the session cache")
     parser.add_argument(
         "--schedulers",

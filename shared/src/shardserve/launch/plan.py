@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from shardserve.cores import threads_per_agent, usable_cores
 from shardserve.errors import RepositoryError
 from shardserve.repository import (
     GroupConfig,
@@ -32,12 +33,21 @@ class UpOptions:
     host: str = "127.0.0.1"
     http_port: int = 8080
     wait_agents_seconds: float = 0.0
-    threads: int = 1
+    threads: int | None = None  # onnxruntime threads per agent; None: see with_agent_threads
     no_cache: bool = False
     grace_seconds: float = 15.0
     status_interval: float = 0.5
     schedulers: int = 1  # >1: one active, the others standby (see shardserve_scheduler.service)
     repository_poll_seconds: float = 2.0  # 0: versions are read once, at start
+
+
+def with_agent_threads(options: UpOptions, agents: int) -> tuple[UpOptions, int]:
+    """``options`` with a thread count for every agent (an even share of the usable cores
+    when none was given: ``shardserve.cores``), and the usable cores."""
+    cores = usable_cores()
+    if options.threads is not None:
+        return options, cores
+    return replace(options, threads=threads_per_agent(agents, cores)), cores
 
 
 def group_key(group: GroupConfig) -> GroupKey:
@@ -130,7 +140,7 @@ def agent_specs(
                 "--rank",
                 str(rank),
                 "--threads",
-                str(options.threads),
+                str(options.threads or 1),
                 *(["--no-cache"] if options.no_cache else []),
             ),
             final_codes=frozenset({EXIT_USAGE, EXIT_REFUSED}),
