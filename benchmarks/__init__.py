@@ -12,7 +12,8 @@ Modules, one concept each:
 - ``floor_server``: the floor, a single-process aiohttp + onnxruntime KServe v2 server
   (JSON by orjson like the gateway: ``floor``; by Python's json: ``floor-stdlib``);
 - ``broker_hop``: the broker limit, a raw request/reply over RabbitMQ with aio-pika;
-- ``ceilings``: what the model allows with no serving layer (onnxruntime in-process):
+- ``ceilings``: the batching and pipelining ratios of the model alone (onnxruntime
+  in-process, no serving layer):
   32-row vs 1-row runs for batching, two stage slices at once vs in turn for pipelining;
 - ``meshes``: real meshes (``shardserve up``) on a dedicated RabbitMQ vhost;
 - ``scenarios``: what is measured, one function per named scenario;

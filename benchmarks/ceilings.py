@@ -1,14 +1,21 @@
-"""What the model itself allows on this machine: onnxruntime in-process, no serving layer.
+"""The same ratios for the model alone: onnxruntime in-process, no serving layer.
 
 The batching and pipelining targets compare the mesh with itself (batched vs unbatched,
-pipelined vs one request in flight). How far either can go is set first by the model and
-the machine, so each scenario also measures its ceiling in the same run:
+pipelined vs one request in flight). Each scenario also measures, in the same run, the
+ratio the model alone gives on this machine, the reference the mesh's ratio is read
+against (keys ``*.ceiling``):
 
 - batching: rows/s of one session (one intra-op thread, like an agent) fed 32-row batches
   vs 1-row batches. A GEMV streams every weight once per row; a 32-row GEMM reuses them.
+  With the same per-request cost added to both, a serving layer's ratio is lower; it can
+  only come closer by amortizing its own per-request costs in batches too.
 - pipelining: rows/s of two sessions, one per stage slice, each on its own thread at the
-  same time (onnxruntime releases the GIL) vs the two run one after the other. Two cores
-  running two memory-bound stages share one memory bus, so this can stay well under 2x.
+  same time (onnxruntime releases the GIL) vs the two run one after the other. Stages whose
+  weights together exceed the last-level cache slow each other down, so this can stay
+  well under 2x. (The mesh's own ratio also overlaps its per-request latency, so it is
+  not bounded by this one.)
+
+Each figure is the best of two tries: the reference is the machine at its quietest.
 """
 
 from __future__ import annotations
@@ -53,19 +60,35 @@ def _rows_per_second(
     return done / (time.perf_counter() - began)
 
 
-def batching_ceiling(model: Path, batch_rows: int, seconds: float) -> dict[str, float]:
-    """Rows/s of the model at 1 row per run and at ``batch_rows`` rows per run."""
+def batching_ceiling(
+    model: Path, batch_rows: int, seconds: float, tries: int = 2
+) -> dict[str, float]:
+    """Rows/s of the model at 1 row per run and at ``batch_rows`` rows per run (the best
+    of ``tries`` each)."""
     session = single_thread_session(model)
-    single = _rows_per_second([(session, _feed(session, 1))], seconds)
-    batched = _rows_per_second([(session, _feed(session, batch_rows))], seconds)
+    one, many = _feed(session, 1), _feed(session, batch_rows)
+    single = max(_rows_per_second([(session, one)], seconds) for _ in range(tries))
+    batched = max(_rows_per_second([(session, many)], seconds) for _ in range(tries))
     return {"rows_per_s_1": single, f"rows_per_s_{batch_rows}": batched, "ratio": batched / single}
 
 
-def pipeline_ceiling(stages: list[Path], seconds: float) -> dict[str, float]:
+def pipeline_ceiling(stages: list[Path], seconds: float, tries: int = 2) -> dict[str, float]:
     """Rows/s (1 row per run) of the stage slices run one after the other vs all at once,
-    each on its own thread; the concurrent figure is the slowest stage's rate."""
+    each on its own thread (the slowest stage's rate); the best of ``tries`` each."""
     runs = [(s, _feed(s, 1)) for s in map(single_thread_session, stages)]
-    serial = _rows_per_second(runs, seconds)
+    serial = max(_rows_per_second(runs, seconds) for _ in range(tries))
+    concurrent = max(_concurrent_rows_per_second(runs, seconds) for _ in range(tries))
+    return {
+        "rows_per_s_serial": serial,
+        "rows_per_s_concurrent": concurrent,
+        "ratio": concurrent / serial,
+    }
+
+
+def _concurrent_rows_per_second(
+    runs: list[tuple[ort.InferenceSession, dict[str, np.ndarray]]], seconds: float
+) -> float:
+    """Every (session, feed) on its own thread at once: the slowest one's rows/s."""
     rates = [0.0] * len(runs)
 
     def loop(index: int) -> None:
@@ -76,9 +99,4 @@ def pipeline_ceiling(stages: list[Path], seconds: float) -> dict[str, float]:
         thread.start()
     for thread in threads:
         thread.join()
-    concurrent = min(rates)
-    return {
-        "rows_per_s_serial": serial,
-        "rows_per_s_concurrent": concurrent,
-        "ratio": concurrent / serial,
-    }
+    return min(rates)

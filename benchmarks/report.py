@@ -127,7 +127,7 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             r,
             "mlp.ceiling",
             "MLP compute alone, 32-row / 1-row runs (rows/s)",
-            "the batching ratio's ceiling: onnxruntime in-process, 1 thread",
+            "the same for the model alone: onnxruntime in-process, 1 thread",
         ),
         Ratio(
             "MLP 2-stage pipelined / max-inflight 1 c8 (req/s)",
@@ -139,7 +139,7 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             r,
             "pipeline.ceiling",
             "2 stage slices at once / one after another (rows/s)",
-            "the pipelining ratio's ceiling: onnxruntime in-process, a thread each",
+            "the same for the model alone: onnxruntime in-process, a thread per stage",
         ),
         memory_ratio(r),
     ]
