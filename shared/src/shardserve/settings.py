@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
+from shardserve.cores import parse_threads
+
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 AMQP_URL_ENV = "SHARDSERVE_AMQP_URL"
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -89,8 +91,6 @@ def positive_int(text: str) -> int:
 def threads_count(text: str) -> int | None:
     """argparse type: onnxruntime threads, a count >= 1 or ``auto`` (None: from the cores,
     see ``shardserve.cores``)."""
-    from shardserve.cores import parse_threads
-
     try:
         return parse_threads(text)
     except ValueError as exc:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from shardserve.cores import threads_per_agent, usable_cores
 from shardserve.errors import RepositoryError
 from shardserve.settings import threads_count
 
@@ -153,10 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def up_threads(repo: Path) -> int:
-    """The thread count ``shardserve up`` gives each agent of ``repo`` here (every version
-    found counts, as at its start)."""
-    agents = sum(group.rank_size for group in groups_of(repo, None, None))
-    return threads_per_agent(agents, usable_cores())
+    """The thread count ``shardserve up`` gives each agent of ``repo`` here: its own rule
+    (``with_agent_threads``) over the versions it would find at start."""
+    from shardserve.launch.plan import UpOptions, discover_groups, with_agent_threads
+
+    agents = sum(group.rank_size for group in discover_groups(repo))
+    options, _ = with_agent_threads(UpOptions(), agents)
+    assert options.threads is not None
+    return options.threads
 
 
 def run_warmup(args: argparse.Namespace) -> int:
