@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 import uuid
@@ -22,7 +21,7 @@ import uuid
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from shardserve.eventloop import LOOP_ENV, loop_factory
+from shardserve.eventloop import configured_loop_factory
 
 PREFETCH = 256
 
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         await serve(args.url, args.queue, args.reply_bytes, stop)
 
     # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says).
-    with asyncio.Runner(loop_factory=loop_factory(os.environ.get(LOOP_ENV))) as runner:
+    with asyncio.Runner(loop_factory=configured_loop_factory()) as runner:
         runner.run(run())
     return 0
 

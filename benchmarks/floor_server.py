@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 from aiohttp import web
 
-from shardserve.eventloop import LOOP_ENV, loop_factory
+from shardserve.eventloop import configured_loop_factory
 from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
 from shardserve_gateway import fast_json
 
@@ -138,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(args.model, args.threads, stdlib_json=args.json == "stdlib")
     # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says):
     # the floor keeps every library advantage the gateway has.
-    factory = loop_factory(os.environ.get(LOOP_ENV))
-    loop = factory() if factory is not None else asyncio.new_event_loop()
+    loop = (configured_loop_factory() or asyncio.new_event_loop)()
     web.run_app(app, host=args.host, port=args.port, print=None, loop=loop)
     return 0
 

@@ -125,8 +125,12 @@ def mlp_repo(
 
 
 def slice_path(repo: Path, servable: str, rank: int) -> Path:
-    """The one-segment slice of ``rank`` in an exported repository (version 1)."""
-    return repo / servable / "1" / f"rank_{rank}" / "seg0.onnx"
+    """The one segment file of ``rank`` in an exported repository (version 1), as its group
+    config names it."""
+    from shardserve.repository import load_group, rank_dir
+
+    [name] = load_group(repo, servable, 1).ranks[rank].files
+    return rank_dir(repo, servable, 1, rank) / name
 
 
 def reference_onnx(run: Run, name: str, model: onnx.ModelProto) -> Path:

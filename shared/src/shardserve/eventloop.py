@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 from collections.abc import Callable
 
 LOOP_ENV = "SHARDSERVE_EVENT_LOOP"
@@ -29,3 +30,8 @@ def loop_factory(choice: str | None) -> Callable[[], asyncio.AbstractEventLoop] 
     import uvloop
 
     return uvloop.new_event_loop
+
+
+def configured_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """``loop_factory`` for this process's SHARDSERVE_EVENT_LOOP."""
+    return loop_factory(os.environ.get(LOOP_ENV))

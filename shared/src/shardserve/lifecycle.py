@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from shardserve.eventloop import LOOP_ENV, loop_factory
+from shardserve.eventloop import configured_loop_factory
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -55,7 +55,7 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
             loop.add_signal_handler(sig, stop.set)
         await main(stop)
 
-    factory = loop_factory(os.environ.get(LOOP_ENV))
+    factory = configured_loop_factory()
     try:
         with asyncio.Runner(loop_factory=factory) as loop_runner:
             loop_runner.run(runner())
