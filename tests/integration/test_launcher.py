@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -134,20 +135,22 @@ def warmed_repo(repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return repo
 
 
-@pytest.fixture
-def launcher(
-    repo: Path, tmp_path: Path, isolated_amqp_url: str
-) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+Launched = tuple[subprocess.Popen[bytes], str, Path]
+
+
+@contextmanager
+def running_up(repo: Path, tmp_path: Path, amqp_url: str, *extra: str) -> Iterator[Launched]:
+    """``shardserve up REPO ...`` on a free port; every process killed if left running."""
     missing = _missing_services()
     if missing:
         pytest.skip(f"services not written yet: {', '.join(missing)}")
     port = free_port()
     log = tmp_path / "up.log"
-    env = {**os.environ, "SHARDSERVE_AMQP_URL": isolated_amqp_url}
+    env = {**os.environ, "SHARDSERVE_AMQP_URL": amqp_url}
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "shardserve.cli", "up", str(repo), "--http-port", str(port),
-             "--grace-seconds", "10"],
+             "--grace-seconds", "10", *extra],
             stdout=sink, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     try:
@@ -158,6 +161,12 @@ def launcher(
                 os.killpg(child, signal.SIGKILL)
             process.kill()
             process.wait(timeout=30)
+
+
+@pytest.fixture
+def launcher(repo: Path, tmp_path: Path, isolated_amqp_url: str) -> Iterator[Launched]:
+    with running_up(repo, tmp_path, isolated_amqp_url) as launched:
+        yield launched
 
 
 def test_up_serves_heals_and_stops_every_process(
@@ -203,6 +212,37 @@ def test_up_serves_heals_and_stops_every_process(
     agent_stop = text.index("[agent matmul r0]", text.index("stopping:"))
     assert gateway_stop < agent_stop
     assert text.rstrip().endswith("stopped")
+
+
+def gateway_pids(pid: int) -> list[int]:
+    return sorted(p for p, cmd in children_of(pid).items() if "-m shardserve_gateway" in cmd)
+
+
+def test_several_gateways_share_the_port_and_one_dying_loses_no_request(
+    repo: Path, tmp_path: Path, isolated_amqp_url: str
+) -> None:
+    with running_up(repo, tmp_path, isolated_amqp_url, "--gateways", "2") as (process, base, log):
+        wait_for("the mesh to get ready", lambda: http_status(f"{base}/v2/health/ready") == 200)
+        gateways = gateway_pids(process.pid)
+        assert len(gateways) == 2, children_of(process.pid)
+        assert all("--reuse-port" in children_of(process.pid)[p] for p in gateways)
+        wait_for("both gateways to listen", lambda: log.read_text().count(" listening on ") == 2)
+        assert infer_all_ones(base) == {-48.0}
+
+        # One gateway dies: the kernel hands new connections to the other one only, so
+        # every request still gets its answer while the launcher restarts the dead one.
+        os.kill(gateways[0], signal.SIGKILL)
+        answers = [infer_all_ones(base) for _ in range(20)]
+        assert answers == [{-48.0}] * 20
+        wait_for("the gateway to restart", lambda: len(gateway_pids(process.pid)) == 2
+                 and gateways[0] not in gateway_pids(process.pid), 60)  # fmt: skip
+        wait_for("the successor to listen", lambda: log.read_text().count(" listening on ") == 3)
+        assert [infer_all_ones(base) for _ in range(10)] == [{-48.0}] * 10
+
+        everyone = children_of(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0, log.read_text()
+        assert [pid for pid in everyone if alive(pid)] == []
 
 
 def rank_served_by(base: str, rank: int) -> int | None:

@@ -219,9 +219,31 @@ def test_plan_has_one_agent_per_rank_and_the_pinned_command_lines(matmul_repo: P
     assert all(spec.min_restart_delay == 0 for spec in agents)  # agents retry refusals
 
 
+def test_several_gateways_share_the_port_and_one_gateway_keeps_it_alone(
+    matmul_repo: Path,
+) -> None:
+    groups = discover_groups(matmul_repo)
+    one = plan_children(matmul_repo, groups, UpOptions(http_port=9001))["gateway"]
+    assert [g.label for g in one] == ["gateway"]
+    assert "--reuse-port" not in one[0].argv
+    two = plan_children(matmul_repo, groups, UpOptions(http_port=9001, gateways=2))["gateway"]
+    assert [g.label for g in two] == ["gateway 0", "gateway 1"]
+    for spec in two:
+        assert spec.argv[1:] == (
+            "-m", "shardserve_gateway", "--host", "127.0.0.1", "--http-port", "9001",
+            "--reuse-port",
+        )  # fmt: skip
+
+
+def test_up_refuses_a_gateway_count_below_one() -> None:
+    result = shardserve("up", "--gateways", "0")
+    assert result.returncode == 2
+    assert "--gateways" in result.stderr
+
+
 def test_plan_arguments_parse_with_the_services_own_parsers(matmul_repo: Path) -> None:
     groups = discover_groups(matmul_repo)
-    tiers = plan_children(matmul_repo, groups, UpOptions())
+    tiers = plan_children(matmul_repo, groups, UpOptions(gateways=2))
     for tier, specs in tiers.items():
         settings = _service_settings(tier)
         for spec in specs:

@@ -113,3 +113,13 @@ def test_tls_options_come_in_pairs() -> None:
     args = build_parser({}).parse_args(["--tls-cert", "c.pem"])
     with pytest.raises(ValueError, match="--tls-cert and --tls-key"):
         GatewaySettings.from_args(args, {})
+
+
+def test_reuse_port_is_off_unless_asked_on_the_command_line_or_in_the_environment() -> None:
+    def reuse_port(argv: list[str], env: dict[str, str]) -> bool:
+        return GatewaySettings.from_args(build_parser(env).parse_args(argv), env).reuse_port
+
+    assert reuse_port([], {}) is False
+    assert reuse_port(["--reuse-port"], {}) is True
+    assert reuse_port([], {"SHARDSERVE_GATEWAY_REUSE_PORT": "1"}) is True
+    assert reuse_port(["--no-reuse-port"], {"SHARDSERVE_GATEWAY_REUSE_PORT": "1"}) is False

@@ -113,3 +113,14 @@ async def test_repository_command_without_a_scheduler_is_503() -> None:
     broker.fail_with = UnavailableError("no queue takes shardserve.control:scheduler.command")
     with pytest.raises(UnavailableError, match="scheduler not running"):
         await dispatcher.command(RepositoryCommand(action="load", servable="matmul"))
+
+
+async def test_waiting_for_the_first_status_ends_when_one_arrives_or_at_the_bound() -> None:
+    view = MeshView()
+    assert await view.wait_first_status(0.01) is False
+    waiting = asyncio.create_task(view.wait_first_status(30))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    view.update(status_from("sched-a"))
+    assert await waiting is True
+    assert await view.wait_first_status(0) is True  # already known: no wait at all

@@ -48,8 +48,14 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
     )
     await runner.setup()
     try:
+        if settings.reuse_port:
+            await _await_mesh_status(app, settings)
         site = web.TCPSite(
-            runner, settings.host, settings.http_port, ssl_context=_ssl_context(settings)
+            runner,
+            settings.host,
+            settings.http_port,
+            ssl_context=_ssl_context(settings),
+            reuse_port=settings.reuse_port or None,
         )
         await site.start()
         _logger.info(
@@ -60,6 +66,17 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
     finally:
         await runner.cleanup()
     _logger.info("gateway stopped")
+
+
+async def _await_mesh_status(app: web.Application, settings: GatewaySettings) -> None:
+    """With siblings on the same port, listen only once the mesh status is known (bounded):
+    a gateway that answers 503 "status not known" for its first second would fail requests
+    a sibling could serve."""
+    if not await app[MESH_VIEW_KEY].wait_first_status(settings.status_stale_s):
+        _logger.warning(
+            "no mesh status within %.1f s; listening anyway (answers 503 until one arrives)",
+            settings.status_stale_s,
+        )
 
 
 async def drain(app: web.Application, seconds: float) -> None:

@@ -17,6 +17,7 @@ requests the previous scheduler had taken.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from shardserve import topology
 from shardserve.broker import Broker
 from shardserve.errors import NotFoundError, UnavailableError
+from shardserve.lifecycle import set_within
 from shardserve.protocol import MeshStatus, Message, MethodStatus, SchedulerHello, ServableStatus
 
 _logger = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ class MeshView:
         self._received_at = 0.0
         self._scheduler: str | None = None
         self._scheduler_listeners: list[Callable[[str], None]] = []
+        self._first_status = asyncio.Event()
         self.draining = False
 
     def add_scheduler_listener(self, listener: Callable[[str], None]) -> None:
@@ -89,7 +92,12 @@ class MeshView:
         """Record a status broadcast that just arrived."""
         self._status = status
         self._received_at = self._clock()
+        self._first_status.set()
         self.scheduler_seen(status.scheduler)
+
+    async def wait_first_status(self, timeout_s: float) -> bool:
+        """Wait (bounded) until a status has arrived; False if none came in time."""
+        return await set_within(self._first_status, timeout_s)
 
     def scheduler_seen(self, scheduler: str) -> None:
         """A message from ``scheduler`` arrived; tell the listeners if it is a new one."""

@@ -77,6 +77,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         default=float(_env(env, "STATUS_STALE_SECONDS", "6.0")),
         help="scheduler status older than this counts as 'not ready'",
     )
+    p.add_argument(
+        "--reuse-port",
+        action=argparse.BooleanOptionalAction,
+        default=env_flag(env, ENV_PREFIX, "REUSE_PORT", False),
+        help="share the HTTP port with other gateway processes on this host (SO_REUSEPORT: "
+        "the kernel spreads connections across them)",
+    )
     p.add_argument("--gateway-id", default=_env(env, "ID", "") or None)
     p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", "") or None)
     return p
@@ -98,6 +105,7 @@ class GatewaySettings:
     tls_key: str | None = None
     status_stale_s: float = 6.0
     max_inflight: int = 256
+    reuse_port: bool = False
     gateway_id: str = field(default_factory=lambda: default_gateway_id())
     log_level: str | None = None
     broker: BrokerSettings = field(default_factory=BrokerSettings)
@@ -129,6 +137,7 @@ class GatewaySettings:
             tls_key=args.tls_key,
             status_stale_s=args.status_stale_seconds,
             max_inflight=max(1, args.max_inflight),
+            reuse_port=args.reuse_port,
             gateway_id=args.gateway_id or default_gateway_id(),
             log_level=args.log_level,
             broker=BrokerSettings.from_env(dict(env)),

@@ -7,6 +7,7 @@ import asyncio
 from aiohttp import web
 
 from shardserve.errors import UnavailableError
+from shardserve.lifecycle import set_within
 from shardserve_gateway.dispatch import Dispatcher
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.metrics import UNKNOWN, Labels, Metrics
@@ -33,12 +34,7 @@ class Inflight:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is in flight; False if the timeout came first."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await set_within(self._idle, timeout_s)
 
 
 SETTINGS_KEY = web.AppKey("settings", GatewaySettings)

@@ -28,6 +28,7 @@ def _run_up(args: argparse.Namespace) -> int:
         no_cache=args.no_cache,
         grace_seconds=args.grace_seconds,
         schedulers=args.schedulers,
+        gateways=args.gateways,
         repository_poll_seconds=args.repository_poll_seconds,
     )
     return run_up(options)
@@ -61,6 +62,13 @@ def build_up(subparsers: Subparsers) -> None:
         type=positive_int,
         default=1,
         help="scheduler processes: one active, the others standby, taking over when it dies",
+    )
+    parser.add_argument(
+        "--gateways",
+        type=positive_int,
+        default=1,
+        help="gateway processes sharing the HTTP port (SO_REUSEPORT): JSON decoding of "
+        "large bodies then uses more than one core (default 1)",
     )
     parser.add_argument(
         "--repository-poll-seconds",

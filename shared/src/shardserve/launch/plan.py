@@ -38,6 +38,7 @@ class UpOptions:
     grace_seconds: float = 15.0
     status_interval: float = 0.5
     schedulers: int = 1  # >1: one active, the others standby (see shardserve_scheduler.service)
+    gateways: int = 1  # >1: every one serves, sharing the HTTP port (SO_REUSEPORT)
     repository_poll_seconds: float = 2.0  # 0: versions are read once, at start
 
 
@@ -169,11 +170,20 @@ def plan_children(
         )
         for index in range(options.schedulers)
     ]
-    gateway = ChildSpec(
-        "gateway",
-        service_argv("gateway", "--host", options.host, "--http-port", str(options.http_port)),
+    return {"scheduler": schedulers, "agent": agents, "gateway": _gateway_specs(options)}
+
+
+def _gateway_specs(options: UpOptions) -> list[ChildSpec]:
+    """One gateway, or several sharing the port: each an independent gateway (its own id,
+    reply queue, in-flight limit and metrics); the kernel spreads connections over them."""
+    shared = ("--reuse-port",) if options.gateways > 1 else ()
+    argv = service_argv(
+        "gateway", "--host", options.host, "--http-port", str(options.http_port), *shared
     )
-    return {"scheduler": schedulers, "agent": agents, "gateway": [gateway]}
+    return [
+        ChildSpec("gateway" if options.gateways == 1 else f"gateway {index}", argv)
+        for index in range(options.gateways)
+    ]
 
 
 def _scheduler_argv(repo: Path, options: UpOptions) -> tuple[str, ...]:
