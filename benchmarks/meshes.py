@@ -124,8 +124,19 @@ def service_pids(up_pid: int) -> dict[str, int]:
         module = args[args.index("-m") + 1] if "-m" in args[:-1] else ""
         if module.startswith("shardserve_"):
             rank = args[args.index("--rank") + 1] if "--rank" in args[:-1] else None
-            pids[module.removeprefix("shardserve_") + (f".r{rank}" if rank else "")] = pid
+            name = module.removeprefix("shardserve_") + (f".r{rank}" if rank else "")
+            pids[_unique(name, pids)] = pid
     return pids
+
+
+def _unique(name: str, taken: dict[str, int]) -> str:
+    """``name``, or ``name.1``, ``name.2``... when several processes share it (gateways)."""
+    index = 0
+    key = name
+    while key in taken:
+        index += 1
+        key = f"{name}.{index}"
+    return key
 
 
 def broker_pid(port: int = 5672) -> int | None:

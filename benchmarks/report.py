@@ -252,12 +252,19 @@ def git_commit(root: Path) -> str:
 
 
 def write_json(
-    path: Path, results: dict[str, Any], ratios: list[Ratio], meta: dict[str, Any]
+    path: Path,
+    results: dict[str, Any],
+    ratios: list[Ratio],
+    meta: dict[str, Any],
+    rounds: list[dict[str, Any]] | None = None,
 ) -> None:
-    doc = {
+    """The run as JSON; with several rounds, each round's own results too."""
+    doc: dict[str, Any] = {
         "meta": {**meta, "python": platform.python_version(), "machine": platform.machine()},
         "results": results,
         "ratios": [{**asdict(r), "passed": r.passed} for r in ratios],
     }
+    if rounds is not None:
+        doc["rounds"] = rounds
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")

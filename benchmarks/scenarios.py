@@ -14,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ class Run:
     quick: bool
     amqp_url: str
     work: Path
+    gateways: int = 1  # gateway processes per mesh (``shardserve up --gateways``)
     results: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _repos: dict[str, Path] = field(default_factory=dict)
@@ -77,6 +79,12 @@ class Run:
         lat = f"p50 {result.p50_ms:8.2f} ms  p99 {result.p99_ms:8.2f} ms"
         err = f"  errors {result.errors} ({result.first_error[:120]})" if result.errors else ""
         print(f"  {key:<28} {rps}  {lat}{err}", flush=True)
+
+    def mesh(self, repo: Path, env: dict[str, str] | None = None) -> AbstractContextManager[Mesh]:
+        """``shardserve up REPO`` with this run's gateway count, until the block ends."""
+        return running_mesh(
+            repo, self.amqp_url, self.logs, env=env, up_args=("--gateways", str(self.gateways))
+        )
 
     def repo(self, key: str, build: Callable[[Path], object]) -> Path:
         """An exported repository, built once per run."""
@@ -270,7 +278,7 @@ async def _raw_round_trips(run: Run, queue: str, size: int, concurrency: int) ->
 
 def mesh1(run: Run) -> None:
     """The mesh at rank_size 1 (matmul), JSON and binary, 1 and 32 clients."""
-    with running_mesh(matmul_repo(run, 1), run.amqp_url, run.logs) as mesh:
+    with run.mesh(matmul_repo(run, 1)) as mesh:
         run.results["mesh1.ready_s"] = round(mesh.ready_s, 2)
         url = mesh.infer_url("matmul")
         load_matrix(run, "mesh1", url, full_points(run), matmul_input(), mesh_pids(mesh))
@@ -279,7 +287,7 @@ def mesh1(run: Run) -> None:
 def tp8(run: Run) -> None:
     """Tensor parallel: matmul over 8 ranks in one stage (allgather over the broker)."""
     points = [("json", 32), ("binary", 32)] + ([] if run.quick else [("json", 1)])
-    with running_mesh(matmul_repo(run, 8), run.amqp_url, run.logs) as mesh:
+    with run.mesh(matmul_repo(run, 8)) as mesh:
         run.results["tp8.ready_s"] = round(mesh.ready_s, 2)
         url = mesh.infer_url("matmul")
         load_matrix(run, "tp8", url, points, matmul_input(), mesh_pids(mesh))
@@ -288,7 +296,7 @@ def tp8(run: Run) -> None:
 def pp16(run: Run) -> None:
     """16 ranks in 2 stages of 8 (MatMul stage, then Neg stage, allgather in each)."""
     points = [("json", 32), ("binary", 32)] + ([] if run.quick else [("json", 1)])
-    with running_mesh(matmul_repo(run, 16, 2), run.amqp_url, run.logs) as mesh:
+    with run.mesh(matmul_repo(run, 16, 2)) as mesh:
         run.results["pp16.ready_s"] = round(mesh.ready_s, 2)
         load_matrix(run, "pp16", mesh.infer_url("matmul"), points, matmul_input())
 
@@ -316,7 +324,7 @@ def _batching(run: Run, prefix: str, repo: Path) -> None:
         "unbatched": NO_BATCHING,
     }
     for name, env in variants.items():
-        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+        with run.mesh(repo, env) as mesh:
             key = f"{prefix}.{name}.c{BATCH_CLIENTS}"
             http_load(run, key, mesh.infer_url("mlp"), body, BATCH_CLIENTS, mesh_pids(mesh))
             run.results[f"{prefix}.{name}.batches"] = _batch_counters(mesh, "mlp")
@@ -342,7 +350,7 @@ def pipeline(run: Run) -> None:
         "serial": {**NO_BATCHING, "SHARDSERVE_SCHEDULER_MAX_INFLIGHT": "1"},
     }
     for name, env in variants.items():
-        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+        with run.mesh(repo, env) as mesh:
             key = f"pipeline.{name}.c{PIPELINE_CLIENTS}"
             http_load(run, key, mesh.infer_url("mlp"), body, PIPELINE_CLIENTS, mesh_pids(mesh))
 
@@ -358,7 +366,7 @@ def memory(run: Run) -> None:
         export_matmul(repo, rank_size=1)
         export_mlp(repo, name="mlp", hidden=MLP_HIDDEN, ffn=MLP_FFN, layers=MLP_LAYERS)
         export_mlp(repo, name="mlp_tp2", rank_size=2, hidden=MLP_HIDDEN, ffn=MLP_FFN)
-    with running_mesh(repo, run.amqp_url, run.logs) as mesh:
+    with run.mesh(repo) as mesh:
         warm = {"matmul": matmul_input(), "mlp": mlp_input(8, MLP_HIDDEN)}
         warm["mlp_tp2"] = warm["mlp"]
         for servable, inputs in warm.items():
@@ -396,7 +404,7 @@ def large(run: Run) -> None:
     repo = mlp_repo(run, 1, 1, hidden=WIDE_HIDDEN, ffn=8, layers=1)
     env = {**NO_BATCHING, "SHARDSERVE_GATEWAY_MAX_BODY_MB": "200"}
     count = 3 if run.quick else 6
-    with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+    with run.mesh(repo, env) as mesh:
         for size in LARGE_SIZES_MB:
             rows = size * 2**20 // (WIDE_HIDDEN * 4)
             body = make_body("binary", mlp_input(rows, WIDE_HIDDEN))
@@ -438,7 +446,7 @@ def cache(run: Run) -> None:
     cache_dir = run.work / "compile-cache"
     env = {"SHARDSERVE_AGENT_CACHE_DIR": str(cache_dir)}
     for phase in ("cold", "warm"):
-        with running_mesh(repo, run.amqp_url, run.logs, env=env) as mesh:
+        with run.mesh(repo, env) as mesh:
             ranks = mesh.ranks("transformer")
             loads = [float(r.get("load_ms") or 0.0) for r in ranks]
             logged = loaded_from_log(mesh.process.log_tail(400))

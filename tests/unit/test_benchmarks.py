@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from benchmarks.report import (  # noqa: E402
     render,
     write_json,
 )
+from benchmarks.rounds import combine_ratios, combine_results, median_entry  # noqa: E402
 from benchmarks.scenarios import SCENARIOS  # noqa: E402
 
 
@@ -282,3 +284,46 @@ def test_agent_load_lines_are_parsed() -> None:
         "compile cache miss (standard), 0 shared weight(s) of 0.0 MB, 281 ms"
     )
     assert loaded_from_log(f"noise\n{line}\n") == [(281.0, "miss")]
+
+
+def _load(rps: float, p50: float) -> dict[str, float]:
+    return {"rps": rps, "p50_ms": p50, "p99_ms": p50 * 2, "requests": 10, "errors": 0}
+
+
+def test_rounds_keep_the_median_round_of_each_measurement_whole() -> None:
+    rounds = [
+        {"floor.json.c32": _load(500, 60), "mlp.ceiling": {"ratio": 6.0}, "note": "a"},
+        {"floor.json.c32": _load(733, 40), "mlp.ceiling": {"ratio": 8.0}},
+        {"floor.json.c32": _load(650, 50), "mlp.ceiling": {"ratio": 7.0}, "note": "c"},
+    ]
+    combined = combine_results(rounds)
+    assert combined["floor.json.c32"] == _load(650, 50)  # rps, p50, p99 of one round
+    assert combined["mlp.ceiling"] == {"ratio": 7.0}
+    assert combined["note"] == "a"  # not a measurement: the first round that has it
+    assert list(combined) == ["floor.json.c32", "mlp.ceiling", "note"]
+    # an even count takes the lower middle round, still a real one
+    assert median_entry([_load(1, 1), _load(4, 4), _load(2, 2), _load(3, 3)]) == _load(2, 2)
+
+
+def test_rounds_report_the_median_ratio_and_every_round_beside_it() -> None:
+    def round_with(mesh_rps: float) -> dict[str, Any]:
+        return {"floor.json.c32": _load(1000, 10), "mesh1.json.c32": _load(mesh_rps, 30)}
+
+    ratios = combine_ratios([round_with(500), round_with(900), round_with(700)])
+    [floor_ratio] = [r for r in ratios if r.name.startswith("mesh rank1 JSON c32 / floor")]
+    assert floor_ratio.value == pytest.approx(0.7)
+    assert floor_ratio.passed is False
+    assert floor_ratio.detail.endswith("rounds: 0.5, 0.9, 0.7")
+    unmeasured = [r for r in ratios if r.name.startswith("TP8")]
+    assert unmeasured[0].value is None
+    single = combine_ratios([round_with(900)])
+    assert single == compute_ratios(round_with(900))  # one round: exactly as before
+
+
+def test_processes_of_one_module_get_numbered_names() -> None:
+    from benchmarks.meshes import _unique
+
+    taken = {"gateway": 1, "scheduler": 2}
+    assert _unique("agent.r0", taken) == "agent.r0"
+    assert _unique("gateway", taken) == "gateway.1"
+    assert _unique("gateway", {**taken, "gateway.1": 3}) == "gateway.2"
