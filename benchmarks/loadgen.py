@@ -1,8 +1,9 @@
 """The closed-loop load generator: N workers, each sends its next request when the last
 one is answered, for a fixed duration after a warm-up that is not counted.
 
-Every HTTP target (floor, mesh) is measured with the same aiohttp client settings, and
-the broker limit with the same loop, so the figures differ only by what is behind them.
+Every HTTP target (floor, mesh) is measured with the same client (``http_client``: one
+keep-alive connection per worker, a request prepared once), and the broker limit with the
+same loop, so the figures differ only by what is behind them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import aiohttp
+from benchmarks.http_client import PostClient
 
 # One call = one request; returns True when the answer was a success.
 Call = Callable[[], Awaitable[bool]]
@@ -150,30 +151,10 @@ async def run_load(
     return result
 
 
-def http_session(concurrency: int) -> aiohttp.ClientSession:
-    """The client every HTTP target is measured with: one keep-alive connection per worker."""
-    connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
-    return aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=120), skip_auto_headers=()
-    )
-
-
-def http_post(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
-) -> Call:
-    """A call that POSTs ``body`` and reads the whole answer; success = HTTP 200."""
-
-    async def call() -> bool:
-        async with session.post(url, data=body, headers=headers) as response:
-            payload = await response.read()
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {payload[:200]!r}")
-            return True
-
-    return call
-
-
 async def load_http(url: str, body: bytes, headers: dict[str, str], spec: LoadSpec) -> LoadResult:
-    """Closed-loop HTTP load against one URL with one fixed body."""
-    async with http_session(spec.concurrency) as session:
-        return await run_load(http_post(session, url, body, headers), spec)
+    """Closed-loop HTTP load against one URL with one fixed body (success = HTTP 200)."""
+    client = PostClient(url, body, headers)
+    try:
+        return await run_load(client.call(), spec)
+    finally:
+        await client.close()
