@@ -145,6 +145,9 @@ class BrokenSegment:
     async def run(self, feeds: object) -> dict[str, object]:
         raise RuntimeError("kernel exploded")
 
+    async def run_each(self, feed_list: object) -> list[dict[str, object]]:
+        raise RuntimeError("kernel exploded")
+
 
 def build_ranks(version_dir: Path, ranks: list[int], amqp_url: str) -> list[lite.Model]:
     """Build the ranks' models concurrently (each build waits for its peers)."""

@@ -60,3 +60,19 @@ async def test_much_bigger_feeds_go_back_to_a_thread() -> None:
     await segment.run({"x": np.ones(4000, np.float32)})  # a bigger batch: cost unknown
     loop_thread = threading.get_ident()
     assert [t == loop_thread for t in session.threads] == [False, True, False]
+
+
+async def test_the_instances_of_a_stacked_job_share_one_thread_hop_or_stay_inline() -> None:
+    session = FakeSession(busy_s=0.0002)  # 0.2 ms a run
+    segment = OrtSegment(session)
+    x = np.ones(4, np.float32)
+    await segment.run({"x": x})  # cost unknown: threaded; now known as ~0.2 ms
+    loop_thread = threading.get_ident()
+    session.threads.clear()
+    three = await segment.run_each([{"x": x * i} for i in range(3)])  # ~0.6 ms: inline
+    assert [out["y"].tolist() for out in three] == [[0.0] * 4, [2.0] * 4, [4.0] * 4]
+    assert session.threads == [loop_thread] * 3
+    session.threads.clear()
+    await segment.run_each([{"x": x}] * 8)  # ~1.6 ms together: all in one worker thread
+    assert len(set(session.threads)) == 1 and session.threads[0] != loop_thread
+    assert len(session.threads) == 8

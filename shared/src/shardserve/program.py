@@ -12,7 +12,7 @@ import asyncio
 import ctypes
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +30,12 @@ class SegmentRunner(Protocol):
     input_names: tuple[str, ...]
 
     async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    async def run_each(
+        self, feed_list: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]]:
+        """``run`` for each feed set in turn (the instances of a stacked job)."""
+        ...
 
 
 class Collective(Protocol):
@@ -81,7 +87,7 @@ async def _run_stacked(
                 f"stacked input {name!r} has shape {list(array.shape)}, expected {count} "
                 "instances on its first axis"
             )
-    outputs = [await runner.run({n: a[i] for n, a in feeds.items()}) for i in range(count)]
+    outputs = await runner.run_each([{n: a[i] for n, a in feeds.items()} for i in range(count)])
     return {name: np.stack([out[name] for out in outputs]) for name in outputs[0]}
 
 
@@ -154,14 +160,28 @@ class OrtSegment:
         return dict(zip(self._output_names, values, strict=True))
 
     async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        [outputs] = await self.run_each([feeds])
+        return outputs
+
+    async def run_each(
+        self, feed_list: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]]:
+        """Every run inline when all of them together are expected to be short, else all
+        in one thread hand-off: a stacked job of k instances pays one hop, not k."""
         if not self._threaded:
-            return self.run_sync(feeds)
-        size = sum(int(a.nbytes) for a in feeds.values())
-        inline = self._last_s < INLINE_RUN_S and size <= INLINE_GROWTH * max(self._last_bytes, 1)
+            return self._run_all(feed_list)
+        size = max((sum(int(a.nbytes) for a in f.values()) for f in feed_list), default=0)
+        expected = self._last_s * len(feed_list)
+        inline = expected < INLINE_RUN_S and size <= INLINE_GROWTH * max(self._last_bytes, 1)
         self._last_bytes = size
         if inline:
-            return self.run_sync(feeds)
-        return await asyncio.to_thread(self.run_sync, feeds)
+            return self._run_all(feed_list)
+        return await asyncio.to_thread(self._run_all, feed_list)
+
+    def _run_all(
+        self, feed_list: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]]:
+        return [self.run_sync(feeds) for feeds in feed_list]
 
     @property
     def runs_inline(self) -> bool:
