@@ -53,9 +53,16 @@ async def encode_off_loop(message: BaseModel, payload_bytes: int) -> bytes:
     return encode(message)
 
 
+# Decoding only copies the tensor bytes out of the body (0.09 ms per MiB measured here,
+# 1.4 ms for 16 MiB): below this a thread hand-off (submit, wake-ups, the GIL back) costs
+# more than the decode itself; a TP8 agent spent 9 % of its samples on that dance for
+# 0.5-1.5 MiB stacked jobs.
+DECODE_OFF_LOOP_BYTES = 8 * 1024 * 1024
+
+
 async def decode_off_loop(body: bytes) -> Message:
-    """``decode``, in a thread for bodies bigger than ``OFF_LOOP_BYTES``."""
-    if len(body) > OFF_LOOP_BYTES:
+    """``decode``, in a thread for bodies bigger than ``DECODE_OFF_LOOP_BYTES``."""
+    if len(body) > DECODE_OFF_LOOP_BYTES:
         return await asyncio.to_thread(decode, body)
     return decode(body)
 
