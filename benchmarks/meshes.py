@@ -59,9 +59,11 @@ def running_mesh(
     *,
     env: dict[str, str] | None = None,
     up_args: tuple[str, ...] = (),
+    gateways: int = 1,
     ready_timeout: float = 300.0,
 ) -> Iterator[Mesh]:
-    """``shardserve up REPO --http-port P`` until the gateway is ready; stopped on exit.
+    """``shardserve up REPO --http-port P`` until the gateway is ready (all ``gateways``
+    of them listening, so that a load's connections spread over them); stopped on exit.
 
     ``env`` adds service options (``SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE=...``): every
     service option defaults from its environment variable, and children inherit it."""
@@ -71,6 +73,7 @@ def running_mesh(
     mesh.start()
     try:
         mesh.ready_s = mesh.wait_ready(ready_timeout)
+        _wait_listening(mesh, gateways, ready_timeout)
         yield mesh
     finally:
         mesh.stop()
@@ -92,6 +95,14 @@ def running_module(
         yield process
     finally:
         process.stop()
+
+
+def _wait_listening(mesh: Mesh, gateways: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while mesh.log_path.read_text(errors="replace").count(" listening on ") < gateways:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {gateways} gateways listen after {timeout:g} s")
+        time.sleep(0.1)
 
 
 def _wait_log_line(process: Process, line: str, timeout: float) -> None:
