@@ -73,3 +73,29 @@ def test_integers_beyond_64_bits_are_refused_with_the_exact_reason(
 def test_integer_limits_stay_exact() -> None:
     parsed = decode_request(_request("UINT64", f"[0, {2**64 - 1}]"), None)
     assert parsed.inputs["x"].to_numpy().tolist() == [0, 2**64 - 1]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        [1.5, -2.25, 3.0],
+        [1.5, 2, True],  # ints and booleans after a float: numpy makes them float64 too
+        [0.1] * 1000,
+        [1.5, [2.0]],  # ragged: the general path (its leaves)
+        [1.5, "x"],  # a string: the general path (a string array, refused by the cast)
+        [1.5, None],  # null: the general path (an object array, refused by the cast)
+        [float("nan"), 1.0],  # NaN (the stdlib parser's literal): as before
+        [[1.5, 2.5], [3.5, 4.5]],
+        [2, 1.5],
+    ],
+)
+def test_the_flat_float_fast_path_gives_what_the_general_path_gives(data: list[object]) -> None:
+    from shardserve_gateway.json_tensors import flatten, numpy_from_json
+
+    fast = numpy_from_json("x", data)
+    try:
+        plain = np.asarray(data)  # the general path: one conversion, or the leaves
+    except ValueError:
+        plain = np.asarray(flatten(data))
+    assert fast.dtype == plain.dtype and fast.shape == plain.shape
+    np.testing.assert_array_equal(fast, plain)  # NaN equal to NaN

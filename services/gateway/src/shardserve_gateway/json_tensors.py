@@ -104,6 +104,18 @@ def exact_integers(name: str, data: Any, datatype: str) -> np.ndarray:
 
 def numpy_from_json(name: str, data: Any) -> np.ndarray:
     """One C-level conversion of a JSON value; ragged nesting falls back to its leaves."""
+    if isinstance(data, list) and data and type(data[0]) is float:
+        # The common body, a flat list of floats: float64 known up front saves numpy's
+        # type discovery pass (12,288 values: 0.24 vs 0.38 ms here). A nested list or a
+        # string raises, and null becomes NaN (which JSON numbers cannot be): those take
+        # the general path, which answers them as before.
+        try:
+            values = np.fromiter(data, dtype=np.float64, count=len(data))
+        except (TypeError, ValueError, OverflowError):
+            pass
+        else:
+            if not np.isnan(values).any():
+                return values
     try:
         values = np.asarray(data)
     except (ValueError, OverflowError):
