@@ -229,9 +229,11 @@ def test_several_gateways_share_the_port_and_one_dying_loses_no_request(
         wait_for("both gateways to listen", lambda: log.read_text().count(" listening on ") == 2)
         assert infer_all_ones(base) == {-48.0}
 
-        # One gateway dies: the kernel hands new connections to the other one only, so
-        # every request still gets its answer while the launcher restarts the dead one.
+        # One gateway dies: once it is gone (connections still queued on a dying
+        # listener are reset with it), the kernel hands new connections to the other one
+        # only, so every request gets its answer while the launcher restarts the dead one.
         os.kill(gateways[0], signal.SIGKILL)
+        wait_for("the gateway to be gone", lambda: not alive(gateways[0]), 30)
         answers = [infer_all_ones(base) for _ in range(20)]
         assert answers == [{-48.0}] * 20
         wait_for("the gateway to restart", lambda: len(gateway_pids(process.pid)) == 2
