@@ -80,6 +80,11 @@ class PostClient:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._all: set[asyncio.StreamWriter] = set()
 
+    @property
+    def open_connections(self) -> int:
+        """Connections this client holds now (idle or in use)."""
+        return len(self._all)
+
     async def post(self) -> bytes:
         """Send the request, return the 200 answer's body; HttpError for any other."""
         reader, writer = self._idle.pop() if self._idle else await self._connect()

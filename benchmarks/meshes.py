@@ -136,11 +136,11 @@ def service_pids(up_pid: int) -> dict[str, int]:
         if module.startswith("shardserve_"):
             rank = args[args.index("--rank") + 1] if "--rank" in args[:-1] else None
             name = module.removeprefix("shardserve_") + (f".r{rank}" if rank else "")
-            pids[_unique(name, pids)] = pid
+            pids[numbered_name(name, pids)] = pid
     return pids
 
 
-def _unique(name: str, taken: dict[str, int]) -> str:
+def numbered_name(name: str, taken: dict[str, int]) -> str:
     """``name``, or ``name.1``, ``name.2``... when several processes share it (gateways)."""
     index = 0
     key = name

@@ -103,7 +103,7 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             "mesh cost per broker hop / raw one-hop",
             _div(mesh_hop, raw_hop),
             "<= 1.3",
-            f"per hop: mesh {_fmt(mesh_hop)} ms, raw {_fmt(raw_hop)} ms (4 hops at rank 1)",
+            f"per hop: mesh {fmt(mesh_hop)} ms, raw {fmt(raw_hop)} ms (4 hops at rank 1)",
         ),
         Ratio(
             "TP8 JSON c32 / mesh rank1 JSON c32 (req/s)",
@@ -169,7 +169,7 @@ def memory_ratio(results: dict[str, Any]) -> Ratio:
     )
 
 
-def _fmt(value: float | None, digits: int = 3) -> str:
+def fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}g}"
 
 
@@ -191,7 +191,7 @@ def ratio_table(ratios: list[Ratio]) -> list[str]:
         verdict = {True: "ok", False: "MISS", None: "" if ratio.target == "-" else "n/a"}[
             ratio.passed
         ]
-        lines.append(f"{ratio.name:<52} {_fmt(ratio.value):>8} {ratio.target:>8}  {verdict:<4}")
+        lines.append(f"{ratio.name:<52} {fmt(ratio.value):>8} {ratio.target:>8}  {verdict:<4}")
         lines.append(f"    {ratio.detail}")
     return lines
 
@@ -215,10 +215,10 @@ def facts_table(results: dict[str, Any]) -> list[str]:
                 _get(results, f"large.mesh.{size}MB", "p50_ms"),
                 _get(results, f"large.broker.{size}MB", "p50_ms"),
             )
-            raw_ms = _fmt(raw["p50_ms"] if raw else None)
+            raw_ms = fmt(raw["p50_ms"] if raw else None)
             lines.append(
-                f"large {size} MB: mesh p50 {_fmt(mesh['p50_ms'])} ms, raw broker round "
-                f"trip {raw_ms} ms, mesh/raw {_fmt(vs)} ({ok})"
+                f"large {size} MB: mesh p50 {fmt(mesh['p50_ms'])} ms, raw broker round "
+                f"trip {raw_ms} ms, mesh/raw {fmt(vs)} ({ok})"
             )
     for name, entry in (results.get("memory") or {}).items():
         lines.append(f"memory {name}: RSS {entry['rss_mb']} MB, slice {entry['slice_mb']} MB")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.report import Ratio, _fmt, compute_ratios
+from benchmarks.report import Ratio, compute_ratios, fmt
 
 
 def median_entry(entries: list[Any]) -> Any:
@@ -49,7 +49,7 @@ def combine_ratios(rounds: list[dict[str, Any]]) -> list[Ratio]:
             combined.append(column[0])
             continue
         median = measured[(len(measured) - 1) // 2]
-        listed = ", ".join(_fmt(r.value) for r in column)
+        listed = ", ".join(fmt(r.value) for r in column)
         combined.append(replace(median, detail=f"{median.detail}; rounds: {listed}"))
     return combined
 

@@ -63,7 +63,7 @@ async def test_a_keep_alive_connection_carries_request_after_request(server: Tes
     client = PostClient(url(server, "/echo"), b"hello", {"Content-Type": "text/plain"})
     try:
         assert [await client.post() for _ in range(3)] == [b"olleh"] * 3
-        assert len(client._all) == 1  # one connection, reused
+        assert client.open_connections == 1  # one connection, reused
     finally:
         await client.close()
 
@@ -74,7 +74,7 @@ async def test_chunked_bodies_and_closing_servers(server: TestServer) -> None:
     try:
         assert await chunked.post() == b"ab" + b"cde" * 1000
         assert await closing.post() == b"bye"
-        assert closing._all == set()  # the server said close: dropped, not reused
+        assert closing.open_connections == 0  # the server said close: dropped, not reused
         assert await closing.post() == b"bye"  # a new connection
     finally:
         await chunked.close()

@@ -321,9 +321,9 @@ def test_rounds_report_the_median_ratio_and_every_round_beside_it() -> None:
 
 
 def test_processes_of_one_module_get_numbered_names() -> None:
-    from benchmarks.meshes import _unique
+    from benchmarks.meshes import numbered_name
 
     taken = {"gateway": 1, "scheduler": 2}
-    assert _unique("agent.r0", taken) == "agent.r0"
-    assert _unique("gateway", taken) == "gateway.1"
-    assert _unique("gateway", {**taken, "gateway.1": 3}) == "gateway.2"
+    assert numbered_name("agent.r0", taken) == "agent.r0"
+    assert numbered_name("gateway", taken) == "gateway.1"
+    assert numbered_name("gateway", {**taken, "gateway.1": 3}) == "gateway.2"
