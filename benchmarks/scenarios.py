@@ -82,10 +82,7 @@ class Run:
 
     def mesh(self, repo: Path, env: dict[str, str] | None = None) -> AbstractContextManager[Mesh]:
         """``shardserve up REPO`` with this run's gateway count, until the block ends."""
-        up_args = ("--gateways", str(self.gateways))
-        return running_mesh(
-            repo, self.amqp_url, self.logs, env=env, up_args=up_args, gateways=self.gateways
-        )
+        return running_mesh(repo, self.amqp_url, self.logs, env=env, gateways=self.gateways)
 
     def repo(self, key: str, build: Callable[[Path], object]) -> Path:
         """An exported repository, built once per run."""

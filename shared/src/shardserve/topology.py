@@ -191,12 +191,17 @@ def scheduler_result_queue(instance: str) -> Queue:
     )
 
 
+def request_binding(kind: RequestQueueType = "classic") -> Binding:
+    """Every request, whatever its servable, to the request queue of this type."""
+    return Binding(request_queue_name(kind), REQUESTS_EXCHANGE, "#")
+
+
 def scheduler_bindings(
     instance: str, request_queue_type: RequestQueueType = "classic"
 ) -> tuple[Binding, ...]:
     control = scheduler_control_queue(instance).name
     return (
-        Binding(request_queue_name(request_queue_type), REQUESTS_EXCHANGE, "#"),
+        request_binding(request_queue_type),
         Binding(control, CONTROL_EXCHANGE, "agent.*"),
         Binding(control, CONTROL_EXCHANGE, KEY_SCHEDULER_COMMAND),
         Binding(DEAD_LETTER_QUEUE, DEAD_EXCHANGE, ""),

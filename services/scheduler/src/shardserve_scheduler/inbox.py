@@ -43,7 +43,7 @@ async def unbind_other_request_queue(broker: Broker, kind: topology.RequestQueue
                 kind,
             )
             return False
-        await broker.unbind(topology.Binding(other, topology.REQUESTS_EXCHANGE, "#"))
+        await broker.unbind(topology.request_binding(other_type(kind)))
     except UnavailableError as exc:
         _logger.warning("could not check for a request queue of the other type: %s", exc)
         return False
