@@ -214,6 +214,13 @@ def test_up_serves_heals_and_stops_every_process(
     assert text.rstrip().endswith("stopped")
 
 
+def listeners(base: str) -> int:
+    """Listening TCP sockets on the port of ``base`` (Linux /proc/net/tcp, state 0A)."""
+    port = f"{int(base.rsplit(':', 1)[1]):04X}"
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for row in rows if row.split()[1].endswith(f":{port}") and row.split()[3] == "0A")
+
+
 def gateway_pids(pid: int) -> list[int]:
     return sorted(p for p, cmd in children_of(pid).items() if "-m shardserve_gateway" in cmd)
 
@@ -229,11 +236,14 @@ def test_several_gateways_share_the_port_and_one_dying_loses_no_request(
         wait_for("both gateways to listen", lambda: log.read_text().count(" listening on ") == 2)
         assert infer_all_ones(base) == {-48.0}
 
-        # One gateway dies: once it is gone (connections still queued on a dying
-        # listener are reset with it), the kernel hands new connections to the other one
-        # only, so every request gets its answer while the launcher restarts the dead one.
+        # One gateway dies: once its listening socket is gone (connections still queued
+        # on a dying listener are reset with it; the socket can outlive the process's
+        # zombie state while its other threads exit), the kernel hands new connections to
+        # the other one only, so every request gets its answer while the launcher
+        # restarts the dead one.
+        assert listeners(base) == 2
         os.kill(gateways[0], signal.SIGKILL)
-        wait_for("the gateway to be gone", lambda: not alive(gateways[0]), 30)
+        wait_for("its listening socket to close", lambda: listeners(base) == 1, 30)
         answers = [infer_all_ones(base) for _ in range(20)]
         assert answers == [{-48.0}] * 20
         wait_for("the gateway to restart", lambda: len(gateway_pids(process.pid)) == 2
