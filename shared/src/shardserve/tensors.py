@@ -9,12 +9,12 @@ half of the float32 bits (what tritonclient sends); numpy sees it through ``ml_d
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from collections.abc import Mapping
 
 import numpy as np
+import xxhash
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from shardserve.errors import BadInputError
@@ -158,14 +158,21 @@ def unpack_bytes_elements(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
     return out.reshape(shape)
 
 
+# Every digest names its function, so a process of another shardserve version is told
+# apart from corrupted bytes (foreign_digest) instead of failing as a mismatch.
+DIGEST_PREFIX = "xxh3:"
+
+
 def digest_tensors(tensors: Mapping[str, Tensor]) -> str:
     """Return a digest over names, dtypes, shapes and bytes, independent of dict order.
 
-    SHA-256 cut to 128 bits (32 hex digits): CPUs with SHA instructions (x86 SHA-NI, ARMv8
-    crypto) hash 3x faster than with BLAKE2b (48 KiB: 54 us vs 177 us), and every StageWork
-    is digested by the scheduler and again by each rank. Every process of a mesh must use
-    the same function (a mixed deploy would see every digest disagree)."""
-    h = hashlib.sha256()
+    XXH3-128: the digest proves that every rank got (and sent) the same bytes, against
+    accidents, not an adversary (the broker is inside the trust boundary), and every
+    StageWork is digested by the scheduler and again by each rank, so speed decides:
+    1.5 MiB (a stacked TP8 job) takes 37 us here against 1,180 us with SHA-256 (SHA-NI).
+    Every process of a mesh must use the same function; ``foreign_digest`` names the
+    mismatch when one does not."""
+    h = xxhash.xxh3_128()
     for name in sorted(tensors):
         t = tensors[name]
         h.update(name.encode())
@@ -174,4 +181,14 @@ def digest_tensors(tensors: Mapping[str, Tensor]) -> str:
         h.update(repr(t.shape).encode())
         h.update(len(t.data).to_bytes(8, "little"))
         h.update(t.data)
-    return h.hexdigest()[:32]
+    return DIGEST_PREFIX + h.hexdigest()
+
+
+def foreign_digest(digest: str) -> str:
+    """'' when ``digest`` comes from ``digest_tensors``, else why it cannot be checked."""
+    if digest.startswith(DIGEST_PREFIX):
+        return ""
+    return (
+        f"digest {digest[:16]!r} is not an {DIGEST_PREFIX[:-1]} digest: the sender runs "
+        "another shardserve version (every process of a mesh must run the same one)"
+    )

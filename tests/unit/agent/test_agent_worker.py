@@ -13,7 +13,7 @@ from shardserve.collective import CollectiveHub
 from shardserve.errors import ErrorCode
 from shardserve.export.matmul import export_matmul
 from shardserve.protocol import CollectivePart, SchedulerHello, StageResult, StageWork
-from shardserve.tensors import Tensor, digest_tensors
+from shardserve.tensors import DIGEST_PREFIX, Tensor, digest_tensors
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice, load_slice
 from shardserve_agent.worker import StageWorker
@@ -83,7 +83,7 @@ async def test_leader_runs_the_stage_and_ships_outputs(loaded: LoadedSlice) -> N
 
 async def test_failed_jobs_are_not_counted_as_done(loaded: LoadedSlice) -> None:
     f = Fixture(loaded)
-    await f.run(work(digest="0" * 32))
+    await f.run(work(digest=DIGEST_PREFIX + "0" * 32))
     assert f.worker.stats().jobs_done == 0
 
 
@@ -97,10 +97,20 @@ async def test_expired_work_is_not_started(loaded: LoadedSlice) -> None:
 
 async def test_digest_mismatch_names_the_rank(loaded: LoadedSlice) -> None:
     f = Fixture(loaded)
-    await f.run(work(digest="0" * 32))
+    await f.run(work(digest=DIGEST_PREFIX + "0" * 32))
     [(_, result)] = f.results
     assert result.error is not None and result.error.code == ErrorCode.INTERNAL
-    assert "rank 0" in result.error.message and "digest" in result.error.message
+    assert result.error.message == "rank 0: stage input digest mismatch (corrupted in transit?)"
+    assert f.parts == []  # nothing ran
+
+
+async def test_a_digest_of_another_version_is_named_as_such(loaded: LoadedSlice) -> None:
+    f = Fixture(loaded)
+    await f.run(work(digest="0" * 32))  # what a SHA-256 shardserve sent
+    [(_, result)] = f.results
+    assert result.error is not None and result.error.code == ErrorCode.INTERNAL
+    assert result.error.message.startswith("rank 0: stage input digest '0000")
+    assert "another shardserve version" in result.error.message
 
 
 async def test_wrong_stage_is_refused(loaded: LoadedSlice) -> None:

@@ -104,6 +104,22 @@ def test_digest_mismatch_names_the_ranks_that_disagree(kit: Any) -> None:
     assert ", ranks [3] digest " in message
 
 
+def test_a_digest_of_another_version_is_named_not_called_a_mismatch(kit: Any) -> None:
+    group = kit.group(rank_size=2)
+    m = machine()
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
+    actions: list[Action] = []
+    for rank in range(2):
+        result = kit.result(work, rank, group).model_copy(update={"digest": "ab" * 16})
+        actions += m.on_result(result, 1.0)
+    reply = only_reply(actions)
+    assert reply.reply.error is not None
+    assert reply.reply.error.code == ErrorCode.INTERNAL
+    message = reply.reply.error.message
+    assert message.startswith("stage 0 leader rank 0 of ")
+    assert "digest 'abababab" in message and "another shardserve version" in message
+
+
 def test_a_rank_error_fails_the_request_at_once_and_cancels_the_job(kit: Any) -> None:
     group = kit.group(rank_size=4)
     m = machine()
