@@ -177,6 +177,22 @@ def test_only_identical_no_batch_inputs_share_a_batch(kit: Any) -> None:
     np.testing.assert_array_equal(by_mask[2.0]["x"].to_numpy()[:, 0], [2])
 
 
+def test_only_rows_of_the_same_trailing_shape_and_dtype_share_a_batch(kit: Any) -> None:
+    group = batch_group(kit)
+    spec = TensorSpec(name="x", datatype=ANY_DATATYPE, shape=(-1, -1))
+    group = group.model_copy(update={"inputs": (spec,)})
+    m = machine(max_batch_size=8, batch_delay=0.0)
+    wide = Tensor.from_numpy(np.ones((1, 4), np.float32))
+    ints = Tensor.from_numpy(np.ones((1, 3), np.int32))
+    req = request("a", {"x": rows(1)}, {"x": wide}, {"x": rows(2)}, {"x": ints})
+    works = of(PublishStageWork, m.accept(call(group, req), 0.0))
+    shapes = sorted((w.work.inputs["x"].dtype, w.work.inputs["x"].shape) for w in works)
+    assert shapes == [("<f4", (1, 4)), ("<f4", (2, 3)), ("<i4", (1, 3))]
+    replies = run_to_replies(kit, m, group, list(works))
+    (reply,) = replies
+    assert all(i.outputs is not None for i in reply.reply.instances)
+
+
 def test_max_batch_size_one_disables_batching(kit: Any) -> None:
     group = batch_group(kit)
     m = machine(max_batch_size=1, batch_delay=5.0)
