@@ -23,6 +23,7 @@ from benchmarks.meshes import dedicated_vhost
 from benchmarks.report import git_commit, render, write_json
 from benchmarks.rounds import combine_ratios, combine_results
 from benchmarks.scenarios import SCENARIOS, Run
+from shardserve.heap import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.gateways < 1:
         parser.error("--rounds and --gateways must be at least 1")
     names = args.only or list(SCENARIOS)
+    # This process is the raw hop's requester (and every load's client): it gets the C heap
+    # tuning the services and the floor run with, like the responder.
+    keep_freed_memory()
     commit = git_commit(ROOT)
     out = args.json or RESULTS / f"{commit}{'-quick' if args.quick else ''}.json"
     work = Path(tempfile.mkdtemp(prefix="shardserve-bench-"))

@@ -22,6 +22,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
 from shardserve.eventloop import configured_loop_factory
+from shardserve.heap import keep_freed_memory
 
 PREFETCH = 256
 
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(args.url, args.queue, args.reply_bytes, stop)
 
-    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says).
+    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says)
+    # and the same C heap tuning.
+    keep_freed_memory()
     with asyncio.Runner(loop_factory=configured_loop_factory()) as runner:
         runner.run(run())
     return 0

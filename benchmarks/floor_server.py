@@ -28,6 +28,7 @@ import onnxruntime as ort
 from aiohttp import web
 
 from shardserve.eventloop import configured_loop_factory
+from shardserve.heap import keep_freed_memory
 from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
 from shardserve_gateway import fast_json
 
@@ -135,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     app = create_app(args.model, args.threads, stdlib_json=args.json == "stdlib")
-    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says):
-    # the floor keeps every library advantage the gateway has.
+    # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says)
+    # and the same C heap tuning: the floor keeps every advantage the gateway has.
+    keep_freed_memory()
     loop = (configured_loop_factory() or asyncio.new_event_loop)()
     web.run_app(app, host=args.host, port=args.port, print=None, loop=loop)
     return 0

@@ -1,14 +1,18 @@
-"""return_freed_memory: glibc's malloc_trim gives freed heap pages back (Linux here)."""
+"""return_freed_memory: glibc's malloc_trim gives freed heap pages back (Linux here);
+keep_freed_memory: freed message buffers are reused without faulting their pages in."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
-from shardserve.heap import return_freed_memory
+from shardserve.heap import keep_freed_memory, return_freed_memory
 
 
 def rss_kib() -> int:
@@ -41,3 +45,46 @@ def test_freed_small_allocations_leave_the_process() -> None:
     after = rss_kib()
     libc.free(pin)
     assert before - after > 100 * 1024, (before, after)
+
+
+_REUSE_PROBE = """
+import resource, sys
+from shardserve.heap import keep_freed_memory
+tuned = keep_freed_memory() if sys.argv[1] == "tuned" else False
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(40):
+    buffers = [bytearray(1536 * 1024) for _ in range(4)]  # zeroed: every page touched
+    del buffers
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(tuned, faults)
+"""
+
+
+def _reuse_faults(mode: str, env: dict[str, str] | None = None) -> tuple[bool, int]:
+    result = subprocess.run(
+        [sys.executable, "-c", _REUSE_PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **(env or {})},
+    )
+    tuned, faults = result.stdout.split()
+    return tuned == "True", int(faults)
+
+
+@pytest.mark.skipif(
+    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc"
+)
+def test_serving_tuning_reuses_freed_message_buffers_instead_of_faulting_them_in() -> None:
+    """Four 1.5 MiB buffers alive at once, then freed, 40 times over, as a job's messages
+    are: glibc's default trims the freed heap top every time (and maps the first ones
+    afresh), so their pages fault in again (1,536 per round); tuned, the heap keeps them."""
+    plain = _reuse_faults("plain")
+    tuned = _reuse_faults("tuned")
+    assert plain[0] is False and plain[1] > 30 * 1024, plain
+    assert tuned[0] is True and tuned[1] < 4 * 1024, tuned
+
+
+def test_a_users_own_malloc_tuning_is_left_alone() -> None:
+    assert keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}) is False
+    assert keep_freed_memory({"MALLOC_TRIM_THRESHOLD_": "0"}) is False

@@ -17,6 +17,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from shardserve.eventloop import configured_loop_factory
+from shardserve.heap import keep_freed_memory
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -46,7 +47,9 @@ def setup_logging(service: str, level: str | None = None) -> None:
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run ``main(stop)`` on a fresh loop (uvloop unless SHARDSERVE_EVENT_LOOP=asyncio);
-    SIGTERM/SIGINT set ``stop``. Returns an exit code."""
+    SIGTERM/SIGINT set ``stop``. Returns an exit code. The C heap is tuned for serving
+    first (``shardserve.heap.keep_freed_memory``)."""
+    keep_freed_memory()
 
     async def runner() -> None:
         stop = asyncio.Event()
