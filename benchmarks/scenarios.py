@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -442,6 +443,7 @@ def cache(run: Run) -> None:
         ),
     )
     cache_dir = run.work / "compile-cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)  # cold in every round, not just the first
     env = {"SHARDSERVE_AGENT_CACHE_DIR": str(cache_dir)}
     for phase in ("cold", "warm"):
         with run.mesh(repo, env) as mesh:
