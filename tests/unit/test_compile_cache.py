@@ -1,11 +1,16 @@
-"""The per-rank compile cache: keys, hits, corrupt entries, unwritable folders."""
+"""The per-rank compile cache: keys, hits, corrupt entries, unwritable folders, and the
+memory a cold start keeps."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnx.numpy_helper
 import pytest
 
 from shardserve.compile_cache import CompileCache, SessionConfig, cache_key, cpu_features
@@ -135,3 +140,49 @@ def test_disabled_cache_is_off(tmp_path: Path, segment: tuple[Path, str]) -> Non
     session, status = CompileCache(None, 0, SessionConfig()).open(path, sha)
     assert status == "off"
     assert float(_run(session)[0, 0]) == -48.0
+
+
+_OPEN_PROBE = """
+import sys
+from pathlib import Path
+from shardserve.compile_cache import CompileCache, SessionConfig
+from shardserve.heap import return_freed_memory
+cache = CompileCache(Path(sys.argv[2]), 0, SessionConfig(mode=sys.argv[3]))
+session, status = cache.open(Path(sys.argv[1]), "f" * 64)
+return_freed_memory()  # as the agent does after loading its slice
+anon = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon"))
+print(status, anon // 1024)
+"""
+
+
+def _open_in_process(model: Path, folder: Path, mode: str) -> tuple[str, int]:
+    """(cache status, RssAnon MB) of a fresh process that opened ``model`` via the cache."""
+    result = subprocess.run(
+        [sys.executable, "-c", _OPEN_PROBE, str(model), str(folder), mode],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    status, anon_mb = result.stdout.split()
+    return status, int(anon_mb)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("mode", ["standard", "mem_opt"])
+def test_a_cold_start_holds_no_more_memory_than_a_warm_one(tmp_path: Path, mode: str) -> None:
+    """The session that writes the entry kept a second copy of every weight (+48 MB here);
+    a miss serves from the entry just written, as a hit does."""
+    weight = np.random.default_rng(0).standard_normal((3072, 4096), dtype=np.float32)  # 48 MB
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "big",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 3072])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4096])],
+        [onnx.numpy_helper.from_array(weight, "w")],
+    )
+    model = tmp_path / "big.onnx"
+    onnx.save(onnx.helper.make_model(graph), model)
+    cold_status, cold_mb = _open_in_process(model, tmp_path / "cache", mode)
+    warm_status, warm_mb = _open_in_process(model, tmp_path / "cache", mode)
+    assert (cold_status, warm_status) == ("miss", "hit")
+    assert cold_mb - warm_mb < 16, (cold_mb, warm_mb)
