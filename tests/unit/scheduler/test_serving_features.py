@@ -14,7 +14,7 @@ from shardserve.protocol import InferRequest, TensorSpec
 from shardserve.repository import GroupConfig, write_group
 from shardserve.signature import ANY_DATATYPE
 from shardserve.tensors import Tensor
-from shardserve_scheduler import rescan
+from shardserve_scheduler import batching, rescan
 from shardserve_scheduler.actions import Action, PublishStageWork, Reply, RunPython
 from shardserve_scheduler.catalog import load_catalog
 from shardserve_scheduler.methods import MethodPlan, ModelStep, PythonStep, default_method
@@ -191,6 +191,29 @@ def test_only_rows_of_the_same_trailing_shape_and_dtype_share_a_batch(kit: Any) 
     replies = run_to_replies(kit, m, group, list(works))
     (reply,) = replies
     assert all(i.outputs is not None for i in reply.reply.instances)
+
+
+def test_a_scheduler_bug_while_admitting_fails_that_request_at_once(
+    kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=0.0)
+
+    def broken(*_: Any) -> Any:
+        raise ValueError("boom")
+
+    monkeypatch.setattr(batching, "combine", broken)
+    actions = m.accept(call(group, request("a", {"x": rows(1)})), 0.0)
+    (reply,) = of(Reply, actions)
+    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
+    assert reply.reply.error.message == (
+        "scheduler error while admitting the request: ValueError: boom"
+    )
+    assert m.open_requests == 0 and of(PublishStageWork, actions) == []
+    monkeypatch.undo()
+    (work,) = of(PublishStageWork, m.accept(call(group, request("b", {"x": rows(2)})), 0.0))
+    (ok,) = of(Reply, answer(kit, m, work, group))
+    assert ok.reply.error is None and ok.reply.instances[0].outputs is not None
 
 
 def test_max_batch_size_one_disables_batching(kit: Any) -> None:

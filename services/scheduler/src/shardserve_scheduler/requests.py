@@ -24,6 +24,7 @@ pipeline: job B's stage 0 goes out while job A is in stage 1, all from one chann
 from __future__ import annotations
 
 import logging
+import traceback
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, StageResult
@@ -54,9 +55,12 @@ class RequestMachine(Progress):
         state = RequestState(self._new_id("r"), call, now, instances)
         self.requests[state.key] = state
         actions: list[Action] = []
-        for index in range(len(instances)):
-            actions += self._advance(state, index, now)
-        return actions + self._settle(now)
+        try:
+            for index in range(len(instances)):
+                actions += self._advance(state, index, now)
+            return actions + self._settle(now)
+        except Exception as exc:  # a scheduler bug: this request fails loudly, others go on
+            return actions + self._fail_after_bug(state, exc, now)
 
     def on_result(self, result: StageResult, now: float) -> list[Action]:
         """One rank's outcome of one stage of one job."""
@@ -143,6 +147,16 @@ class RequestMachine(Progress):
         for state in list(self.requests.values()):
             actions += self._fail_request(state, ErrorCode.UNAVAILABLE, message, now)
         return actions
+
+    def _fail_after_bug(self, state: RequestState, exc: Exception, now: float) -> list[Action]:
+        """The request whose admission raised gets an INTERNAL error now instead of waiting
+        for its deadline (and the rest of its bundle is still admitted); the traceback is
+        logged."""
+        message = f"scheduler error while admitting the request: {type(exc).__name__}: {exc}"
+        log = Log(logging.ERROR, f"{message}\n{traceback.format_exc()}", state.call.request.id)
+        if state.key not in self.requests:  # it already had its one outcome
+            return [log]
+        return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
 
     # ------------------------------------------------------------------ admission
 

@@ -248,9 +248,22 @@ class SchedulerService:
     def _admit_one(self, request: InferRequest, reply_to: str, correlation_id: str) -> None:
         token = request_id_var.set(request.id)
         try:
-            self._emit(self._admit(request, reply_to, correlation_id))
+            self._emit(self._admit_or_fail(request, reply_to, correlation_id))
         finally:
             request_id_var.reset(token)
+
+    def _admit_or_fail(
+        self, request: InferRequest, reply_to: str, correlation_id: str
+    ) -> list[Action]:
+        """``_admit``, or an INTERNAL error for this request alone if it raised (a bug before
+        the core registered the request; after, the core answers it itself), so the rest
+        of its bundle is still admitted."""
+        try:
+            return self._admit(request, reply_to, correlation_id)
+        except Exception as exc:
+            _logger.exception("could not admit the request")
+            message = f"scheduler error while admitting the request: {type(exc).__name__}: {exc}"
+            return [error_reply(request, reply_to, correlation_id, ErrorCode.INTERNAL, message)]
 
     def _admit(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:
         if self._closing:
