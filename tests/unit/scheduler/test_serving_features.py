@@ -216,6 +216,28 @@ def test_a_scheduler_bug_while_admitting_fails_that_request_at_once(
     assert ok.reply.error is None and ok.reply.instances[0].outputs is not None
 
 
+def test_a_scheduler_bug_handling_a_result_fails_the_jobs_requests_at_once(
+    kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=0.002)
+    m.accept(call(group, request("a", {"x": rows(1)})), 0.0)
+    m.accept(call(group, request("b", {"x": rows(2)})), 0.0)
+    (work,) = of(PublishStageWork, m.tick(0.002))
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("boom")  # (split's own ValueError is a known failure)
+
+    monkeypatch.setattr(batching, "split", broken)
+    replies = of(Reply, answer(kit, m, work, group))
+    assert sorted(r.reply.id for r in replies) == ["a", "b"]
+    for reply in replies:
+        assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
+        assert reply.reply.error.message.startswith("scheduler error handling a result of job ")
+        assert reply.reply.error.message.endswith(": RuntimeError: boom")
+    assert m.open_requests == 0 and not m.jobs
+
+
 def test_max_batch_size_one_disables_batching(kit: Any) -> None:
     group = batch_group(kit)
     m = machine(max_batch_size=1, batch_delay=5.0)

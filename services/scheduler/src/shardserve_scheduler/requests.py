@@ -29,7 +29,14 @@ import traceback
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, StageResult
 from shardserve_scheduler.actions import Action, Log, Reply, error_reply
-from shardserve_scheduler.jobs import Call, InstanceState, RequestState, VersionStats, rank_error
+from shardserve_scheduler.jobs import (
+    Call,
+    InstanceState,
+    Job,
+    RequestState,
+    VersionStats,
+    rank_error,
+)
 from shardserve_scheduler.progress import Progress
 from shardserve_scheduler.pystages import Outcome
 
@@ -81,13 +88,16 @@ class RequestMachine(Progress):
             return []
         job.results[result.rank] = result
         job.timeline.mark(now, f"s{job.stage} r{result.rank}")
-        if result.error is not None:
-            actions = self._fail_job(job, *rank_error(job, result.rank, result.error), now)
-        elif len(job.results) < len(job.stage_ranks()):
-            return []
-        else:
-            actions = self._stage_complete(job, now)
-        return actions + self._settle(now)
+        try:
+            if result.error is not None:
+                actions = self._fail_job(job, *rank_error(job, result.rank, result.error), now)
+            elif len(job.results) < len(job.stage_ranks()):
+                return []
+            else:
+                actions = self._stage_complete(job, now)
+            return actions + self._settle(now)
+        except Exception as exc:  # a scheduler bug: the job's open requests fail loudly
+            return self._fail_job_after_bug(job, exc, now)
 
     def on_python_done(self, task_id: str, outcomes: list[Outcome], now: float) -> list[Action]:
         """A Python stage task finished: one outcome (outputs or error) per instance."""
@@ -157,6 +167,13 @@ class RequestMachine(Progress):
         if state.key not in self.requests:  # it already had its one outcome
             return [log]
         return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
+
+    def _fail_job_after_bug(self, job: Job, exc: Exception, now: float) -> list[Action]:
+        """Handling a result of ``job`` raised: every instance it still serves gets an
+        INTERNAL error now instead of waiting for its deadline; the traceback is logged."""
+        message = f"scheduler error handling a result of job {job.id}: {type(exc).__name__}: {exc}"
+        log = Log(logging.ERROR, f"{message}\n{traceback.format_exc()}")
+        return [log, *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
 
     # ------------------------------------------------------------------ admission
 
