@@ -219,7 +219,7 @@ class CompileCache:
         if self.mem_opt:
             _logger.info(
                 "compile cache (mem_opt) has no artefact for %s; loaded it the regular way "
-                "and writing one for the next start",
+                "to write one, and serving from that one once written",
                 path.name,
             )
             session, status = self._build_mem_opt(path, key, inits)
