@@ -184,6 +184,14 @@ def digest_tensors(tensors: Mapping[str, Tensor]) -> str:
     return DIGEST_PREFIX + h.hexdigest()
 
 
+def digest_mismatch(expected: str, actual: str, otherwise: str) -> str:
+    """'' when the digests agree; else why: ``foreign_digest``'s reason when ``expected``
+    comes from another function, ``otherwise`` when the bytes differ."""
+    if actual == expected:
+        return ""
+    return foreign_digest(expected) or otherwise
+
+
 def foreign_digest(digest: str) -> str:
     """'' when ``digest`` comes from ``digest_tensors``, else why it cannot be checked."""
     if digest.startswith(DIGEST_PREFIX):

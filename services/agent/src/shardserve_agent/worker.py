@@ -22,7 +22,7 @@ from shardserve.errors import ErrorCode, InferenceError, ShardserveError
 from shardserve.lifecycle import request_id_var
 from shardserve.program import Env, run_stage
 from shardserve.protocol import ErrorInfo, Message, StageResult, StageWork
-from shardserve.tensors import Tensor, digest_tensors, foreign_digest
+from shardserve.tensors import Tensor, digest_mismatch, digest_tensors
 from shardserve_agent.slice_loader import LoadedSlice
 
 _logger = logging.getLogger(__name__)
@@ -171,16 +171,12 @@ class StageWorker:
         return None
 
     async def _check_digest(self, work: StageWork) -> str | None:
-        foreign = foreign_digest(work.digest)
-        if foreign:
-            return f"rank {self._slice.rank}: stage input {foreign}"
         if _tensor_bytes(work.inputs) > OFF_LOOP_BYTES:
             digest = await asyncio.to_thread(digest_tensors, work.inputs)
         else:
             digest = digest_tensors(work.inputs)
-        if digest != work.digest:
-            return f"rank {self._slice.rank}: stage input digest mismatch (corrupted in transit?)"
-        return None
+        problem = digest_mismatch(work.digest, digest, "digest mismatch (corrupted in transit?)")
+        return f"rank {self._slice.rank}: stage input {problem}" if problem else None
 
     async def _run(self, work: StageWork) -> StageResult | None:
         collective = self._hub.begin(work.job, work.deadline)

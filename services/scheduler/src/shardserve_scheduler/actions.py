@@ -84,3 +84,9 @@ def error_reply(
 
 def debug(message: str, request_id: str = "-") -> Log:
     return Log(logging.DEBUG, message, request_id)
+
+
+def bug_message(doing: str, exc: Exception) -> str:
+    """What a client is told when the scheduler failed at ``doing`` with an unexpected
+    exception (a bug): that, the exception's type and its message."""
+    return f"scheduler error {doing}: {type(exc).__name__}: {exc}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import JobCancel, TensorMap
-from shardserve.tensors import digest_tensors, foreign_digest
+from shardserve.tensors import digest_mismatch, digest_tensors
 from shardserve_scheduler import batching
 from shardserve_scheduler.actions import Action, Cancel, PublishStageWork, debug
 from shardserve_scheduler.batching import Member
@@ -31,13 +31,10 @@ class JobOutcomes(Replies):
         if outputs is None:
             return self._fail_job(job, ErrorCode.INTERNAL, f"{label} sent no outputs", now)
         digest = digest_tensors(outputs)
-        agreed = job.results[leader].digest
-        if digest != agreed:
-            problem = (
-                foreign_digest(agreed) or "outputs do not match the digest the ranks agreed on"
-            )
-            message = f"{label}: {problem}"
-            return self._fail_job(job, ErrorCode.INTERNAL, message, now)
+        mismatch = "outputs do not match the digest the ranks agreed on"
+        problem = digest_mismatch(job.results[leader].digest, digest, mismatch)
+        if problem:
+            return self._fail_job(job, ErrorCode.INTERNAL, f"{label}: {problem}", now)
         if job.stage + 1 < job.group.stage_size:
             return [self._publish(job, job.stage + 1, outputs, digest, now)]
         return self._finish_job(job, outputs, now)

@@ -28,7 +28,7 @@ import traceback
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, StageResult
-from shardserve_scheduler.actions import Action, Log, Reply, error_reply
+from shardserve_scheduler.actions import Action, Log, Reply, bug_message, error_reply
 from shardserve_scheduler.jobs import (
     Call,
     InstanceState,
@@ -162,8 +162,8 @@ class RequestMachine(Progress):
         """The request whose admission raised gets an INTERNAL error now instead of waiting
         for its deadline (and the rest of its bundle is still admitted); the traceback is
         logged."""
-        message = f"scheduler error while admitting the request: {type(exc).__name__}: {exc}"
-        log = Log(logging.ERROR, f"{message}\n{traceback.format_exc()}", state.call.request.id)
+        message = bug_message("while admitting the request", exc)
+        log = _bug_log(message, state.call.request.id)
         if state.key not in self.requests:  # it already had its one outcome
             return [log]
         return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
@@ -171,9 +171,8 @@ class RequestMachine(Progress):
     def _fail_job_after_bug(self, job: Job, exc: Exception, now: float) -> list[Action]:
         """Handling a result of ``job`` raised: every instance it still serves gets an
         INTERNAL error now instead of waiting for its deadline; the traceback is logged."""
-        message = f"scheduler error handling a result of job {job.id}: {type(exc).__name__}: {exc}"
-        log = Log(logging.ERROR, f"{message}\n{traceback.format_exc()}")
-        return [log, *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
+        message = bug_message(f"handling a result of job {job.id}", exc)
+        return [_bug_log(message), *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
 
     # ------------------------------------------------------------------ admission
 
@@ -198,6 +197,12 @@ class RequestMachine(Progress):
         return error_reply(
             request, call.reply_to, call.correlation_id, code, message, version=call.group.version
         )
+
+
+def _bug_log(message: str, request_id: str = "-") -> Log:
+    """The error log of a bug the core caught: its message and the traceback (called while
+    the exception is being handled)."""
+    return Log(logging.ERROR, f"{message}\n{traceback.format_exc()}", request_id)
 
 
 def _deadline_message(machine: RequestMachine, state: RequestState, now: float) -> str:

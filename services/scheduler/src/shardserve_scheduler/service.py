@@ -54,7 +54,7 @@ from shardserve.protocol import (
     SchedulerHello,
     StageResult,
 )
-from shardserve_scheduler.actions import Action, RunPython, error_reply
+from shardserve_scheduler.actions import Action, RunPython, bug_message, error_reply
 from shardserve_scheduler.catalog import Catalog, load_catalog, log_catalog
 from shardserve_scheduler.inbox import unbind_other_request_queue
 from shardserve_scheduler.leadership import Leadership
@@ -262,7 +262,7 @@ class SchedulerService:
             return self._admit(request, reply_to, correlation_id)
         except Exception as exc:
             _logger.exception("could not admit the request")
-            message = f"scheduler error while admitting the request: {type(exc).__name__}: {exc}"
+            message = bug_message("while admitting the request", exc)
             return [error_reply(request, reply_to, correlation_id, ErrorCode.INTERNAL, message)]
 
     def _admit(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:

@@ -55,7 +55,7 @@ from shardserve.protocol import (
 )
 from shardserve.repository import GroupConfig
 from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor, digest_tensors, foreign_digest
+from shardserve.tensors import Tensor, digest_mismatch, digest_tensors
 from shardserve.topology import COLLECTIVE_EXCHANGE, Binding, Queue
 
 _logger = logging.getLogger(__name__)
@@ -238,11 +238,10 @@ class RunMesh:
                 continue
 
     def _checked(self, work: StageWork) -> Env:
-        foreign = foreign_digest(work.digest)
-        if foreign:
-            raise LiteError(f"rank {self.rank}: stage input {foreign}")
-        if digest_tensors(work.inputs) != work.digest:
-            raise LiteError(f"rank {self.rank}: stage input digest mismatch for {work.job}")
+        mismatch = f"digest mismatch for {work.job}"
+        problem = digest_mismatch(work.digest, digest_tensors(work.inputs), mismatch)
+        if problem:
+            raise LiteError(f"rank {self.rank}: stage input {problem}")
         missing = [n for n in self.stage.inputs if n not in work.inputs]
         if missing:
             raise LiteError(f"rank {self.rank}: stage input(s) {', '.join(missing)} missing")
