@@ -1,6 +1,7 @@
 """Broker.consume against RabbitMQ: handlers see deliveries in arrival order even when a big
 one is decoded in a thread; no_ack consumers handle messages without acks, and a bad one
-is counted and dropped (it cannot be rejected)."""
+is counted and dropped (it cannot be rejected); a publish on a channel closed under it is
+UnavailableError."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from shardserve import topology
 from shardserve.broker import Broker
+from shardserve.errors import UnavailableError
 from shardserve.protocol import InferReply, InstanceResult, Message
 from shardserve.settings import BrokerSettings
 from shardserve.tensors import Tensor
@@ -82,3 +84,16 @@ async def test_a_small_message_after_a_big_one_reaches_the_handler_second(
         await consumer.broker.publish("", consumer.queue, big_reply)
         await consumer.broker.publish("", consumer.queue, InferReply(id=f"small{n}", servable="s"))
     assert await consumer.received(6) == ["big0", "small0", "big1", "small1", "big2", "small2"]
+
+
+async def test_publishing_on_a_channel_closed_under_it_is_unavailable_not_a_crash(
+    consumer: Consumer,
+) -> None:
+    """aiormq raises ChannelInvalidStateError (a RuntimeError, not an AMQPError) for a
+    channel the broker closed a moment ago: during a node's shutdown that escaped the
+    gateway's publisher as a bug and stopped its dispatcher for good."""
+    broker = consumer.broker
+    underlay = await broker._publish.get_underlay_channel()  # type: ignore[union-attr]
+    await underlay.close()
+    with pytest.raises(UnavailableError, match="message broker refused the publish"):
+        await broker.publish_raw("", consumer.queue, b"x")

@@ -47,6 +47,16 @@ from shardserve.topology import EXCHANGES, Binding, Queue
 
 _logger = logging.getLogger(__name__)
 
+# What a broker call raises when the broker or the channel is gone. ChannelInvalidStateError is
+# aiormq's RuntimeError (not an AMQPError) for a channel closed a moment ago, as during a
+# node's shutdown: it must read as "unavailable" like the rest, not as a bug.
+_BROKER_UNAVAILABLE = (
+    aio_pika.exceptions.AMQPError,
+    aio_pika.exceptions.ChannelInvalidStateError,
+    ConnectionError,
+    TimeoutError,
+)
+
 MessageHandler = Callable[[Message, AbstractIncomingMessage], Awaitable[None]]
 
 # Bounds one connect attempt, so a node that black-holes packets is left for the next.
@@ -212,7 +222,7 @@ class Broker:
                     yield channel
                 finally:
                     await _close_quietly(channel)
-        except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
+        except _BROKER_UNAVAILABLE as exc:
             raise UnavailableError(f"could not {what}: {exc!r}") from exc
 
     async def publish(
@@ -286,7 +296,7 @@ class Broker:
                 )
         except aio_pika.exceptions.DeliveryError as exc:
             raise _delivery_error(exc, exchange, routing_key) from exc
-        except (aio_pika.exceptions.AMQPError, ConnectionError, TimeoutError) as exc:
+        except _BROKER_UNAVAILABLE as exc:
             raise UnavailableError(f"message broker refused the publish: {exc}") from exc
 
     async def consume(

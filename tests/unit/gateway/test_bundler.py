@@ -136,3 +136,17 @@ async def test_stopping_fails_what_waits_and_refuses_new_requests(publish: Gated
             await call
     with pytest.raises(UnavailableError, match="shutting down"):
         await bundler.send(request("c"), "c", 4)
+
+
+async def test_an_unexpected_publish_error_fails_its_requests_and_the_bundler_goes_on(
+    bundler: RequestBundler, publish: GatedPublish
+) -> None:
+    """A publish raising what no one expected (once: aiormq's RuntimeError for a channel
+    closed under it) answers its requests; the next requests are still published."""
+    publish.fail_with = RuntimeError("channel closed")
+    publish.gate.set()
+    with pytest.raises(UnavailableError, match="request not sent: RuntimeError"):
+        await asyncio.wait_for(bundler.send(request("a"), "c-a", 4), 5)
+    publish.fail_with = None
+    await asyncio.wait_for(bundler.send(request("b"), "c-b", 4), 5)
+    assert [ids(m) for m in publish.messages] == [["a"], ["b"]]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shardserve.errors import InferenceError, UnavailableError
 from shardserve.protocol import BundledRequest, InferRequest, InferRequestBundle
+
+_logger = logging.getLogger(__name__)
 
 MAX_ITEMS = 256
 MAX_BYTES = 4 * 1024 * 1024  # tensor bytes per bundle: big requests go (nearly) alone
@@ -113,7 +116,10 @@ class RequestBundler:
             await self._publish(message, items)
         except InferenceError as exc:
             _fail(items, exc)
-        except BaseException as exc:  # cancelled (shutdown) or a bug: nobody may hang
+        except Exception as exc:  # a bug: its requests are answered, the publisher goes on
+            _logger.exception("publishing %d request(s) failed", len(items))
+            _fail(items, UnavailableError(f"request not sent: {type(exc).__name__}"))
+        except BaseException as exc:  # cancelled (shutdown): nobody may hang
             _fail(items, UnavailableError(f"request not sent: {type(exc).__name__}"))
             raise
         else:
