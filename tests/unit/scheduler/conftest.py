@@ -1,7 +1,11 @@
-"""Builders for the scheduler's pure tests: groups, hellos, tensors, calls (no broker)."""
+"""Builders for the scheduler's pure tests: groups, hellos, tensors, calls (no broker).
+This folder is put on sys.path (tests run with --import-mode=importlib), so a test module
+can use another's helpers (``test_core_guards`` those of ``test_serving_features``)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +17,8 @@ from shardserve.tensors import Tensor, digest_tensors
 from shardserve_scheduler.actions import PublishStageWork
 from shardserve_scheduler.catalog import default_method
 from shardserve_scheduler.requests import Call
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 class Kit:

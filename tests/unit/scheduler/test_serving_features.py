@@ -216,14 +216,20 @@ def test_a_scheduler_bug_while_admitting_fails_that_request_at_once(
     assert ok.reply.error is None and ok.reply.instances[0].outputs is not None
 
 
-def test_a_scheduler_bug_handling_a_result_fails_the_jobs_requests_at_once(
-    kit: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def batch_of_a_and_b(kit: Any) -> tuple[RequestMachine, GroupConfig, PublishStageWork]:
+    """Requests a and b (one row each) sent as one batch: the machine, group and work."""
     group = batch_group(kit)
     m = machine(max_batch_size=8, batch_delay=0.002)
     m.accept(call(group, request("a", {"x": rows(1)})), 0.0)
     m.accept(call(group, request("b", {"x": rows(2)})), 0.0)
     (work,) = of(PublishStageWork, m.tick(0.002))
+    return m, group, work
+
+
+def test_a_scheduler_bug_handling_a_result_fails_the_jobs_requests_at_once(
+    kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m, group, work = batch_of_a_and_b(kit)
 
     def broken(*_: Any) -> Any:
         raise RuntimeError("boom")  # (split's own ValueError is a known failure)

@@ -6,6 +6,7 @@ The core never touches the broker; it returns these, in the order they must happ
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import dataclass
 
 from shardserve import topology
@@ -90,3 +91,9 @@ def bug_message(doing: str, exc: Exception) -> str:
     """What a client is told when the scheduler failed at ``doing`` with an unexpected
     exception (a bug): that, the exception's type and its message."""
     return f"scheduler error {doing}: {type(exc).__name__}: {exc}"
+
+
+def bug_log(message: str, request_id: str = "-") -> Log:
+    """The error log of a bug the core caught: its message and the traceback (called while
+    the exception is being handled)."""
+    return Log(logging.ERROR, f"{message}\n{traceback.format_exc()}", request_id)

@@ -11,7 +11,14 @@ from shardserve.errors import ErrorCode
 from shardserve.protocol import JobCancel, TensorMap
 from shardserve.tensors import digest_mismatch, digest_tensors
 from shardserve_scheduler import batching
-from shardserve_scheduler.actions import Action, Cancel, PublishStageWork, debug
+from shardserve_scheduler.actions import (
+    Action,
+    Cancel,
+    PublishStageWork,
+    bug_log,
+    bug_message,
+    debug,
+)
 from shardserve_scheduler.batching import Member
 from shardserve_scheduler.jobs import Job, RequestState, digest_disagreement
 from shardserve_scheduler.methods import ModelStep
@@ -49,8 +56,21 @@ class JobOutcomes(Replies):
         except ValueError as exc:
             return actions + self._fail_members(job, ErrorCode.INTERNAL, str(exc), now)
         for member, part in zip(job.members, parts, strict=True):
-            actions += self._member_done(member, part, now)
+            actions += self._member_done_or_failed(job, member, part, now)
         return actions
+
+    def _member_done_or_failed(
+        self, job: Job, member: Member, outputs: TensorMap, now: float
+    ) -> list[Action]:
+        """``_member_done``; a bug there fails that member's instance alone."""
+        try:
+            return self._member_done(member, outputs, now)
+        except Exception as exc:
+            state = self.requests.get(member[0])
+            doing = f"handling a result of job {job.id}"
+            if state is None:
+                return [bug_log(bug_message(doing, exc))]
+            return self._fail_instance_after_bug(state, member[1], doing, exc, now)
 
     def _member_done(self, member: Member, outputs: TensorMap, now: float) -> list[Action]:
         key, index, chunk, position = member

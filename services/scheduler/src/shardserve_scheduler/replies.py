@@ -2,6 +2,10 @@
 
 Each instance has its own outcome (InstanceResult); when every instance failed with the
 same error the reply carries that one error instead, as MindSpore does.
+
+A bug (an unexpected exception) while handling one instance or request ends that one
+with an INTERNAL error naming it (``_fail_instance_after_bug``, ``_abandon``); the rest of
+the event goes on, so no reply already made is lost and none is left for the deadline.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import logging
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, InferReply, InstanceResult
-from shardserve_scheduler.actions import Action, Log, Reply, error_reply
+from shardserve_scheduler.actions import Action, Log, Reply, bug_log, bug_message, error_reply
 from shardserve_scheduler.jobs import RequestState, VersionStats, collapsed_error
 from shardserve_scheduler.machine_state import MachineState
 
@@ -81,6 +85,37 @@ class Replies(MachineState):
             Log(level, f"request failed ({code.value}): {message}", call.request.id),
         ]
         return actions + self._prune(state, now)
+
+    def _fail_instance_after_bug(
+        self, state: RequestState, index: int, doing: str, exc: Exception, now: float
+    ) -> list[Action]:
+        """Handling one instance raised (a bug): it fails INTERNAL now, the traceback is
+        logged, and the caller goes on with the other instances of its event."""
+        message = bug_message(doing, exc)
+        log = bug_log(message, state.call.request.id)
+        if state.key not in self.requests or state.instances[index].outcome is not None:
+            return [log]  # it already has its outcome
+        try:
+            return [log, *self._fail_instance(state, index, ErrorCode.INTERNAL, message, now)]
+        except Exception:
+            return [log, *self._abandon(state, message)]
+
+    def _abandon(self, state: RequestState, message: str) -> list[Action]:
+        """The last resort when ending a request the regular way raised: forget it and
+        reply INTERNAL ``message``. Jobs that only it needed finish unseen."""
+        if state.key not in self.requests:
+            return []
+        call = state.call
+        self._close(state, failed=True)
+        reply = error_reply(
+            call.request,
+            call.reply_to,
+            call.correlation_id,
+            ErrorCode.INTERNAL,
+            message,
+            version=call.group.version,
+        )
+        return [self._count_reply(reply)]
 
     def _close(self, state: RequestState, failed: bool) -> None:
         del self.requests[state.key]

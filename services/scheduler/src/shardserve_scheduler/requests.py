@@ -24,11 +24,17 @@ pipeline: job B's stage 0 goes out while job A is in stage 1, all from one chann
 from __future__ import annotations
 
 import logging
-import traceback
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo, StageResult
-from shardserve_scheduler.actions import Action, Log, Reply, bug_message, error_reply
+from shardserve_scheduler.actions import (
+    Action,
+    Log,
+    Reply,
+    bug_log,
+    bug_message,
+    error_reply,
+)
 from shardserve_scheduler.jobs import (
     Call,
     InstanceState,
@@ -95,9 +101,10 @@ class RequestMachine(Progress):
                 return []
             else:
                 actions = self._stage_complete(job, now)
-            return actions + self._settle(now)
         except Exception as exc:  # a scheduler bug: the job's open requests fail loudly
-            return self._fail_job_after_bug(job, exc, now)
+            doing = f"handling a result of job {job.id}"
+            return self._settled(self._fail_job_after_bug(job, doing, exc, now), now)
+        return self._settled(actions, now)
 
     def on_python_done(self, task_id: str, outcomes: list[Outcome], now: float) -> list[Action]:
         """A Python stage task finished: one outcome (outputs or error) per instance."""
@@ -111,29 +118,48 @@ class RequestMachine(Progress):
             state = self._alive(key, index, position)
             if state is None:
                 continue
-            if isinstance(outcome, ErrorInfo):
-                actions += self._fail_instance(state, index, outcome.code, outcome.message, now)
-                continue
-            instance = state.instances[index]
-            step = state.call.method.steps[position]
-            for j, tensor in enumerate(outcome):
-                instance.env[(step.index, j)] = tensor
-            instance.step += 1
-            actions += self._advance(state, index, now)
-        return actions + self._settle(now)
+            try:
+                actions += self._python_outcome(state, index, position, outcome, now)
+            except Exception as exc:  # a scheduler bug: this instance fails, the others go on
+                doing = f"handling the result of Python task {task_id}"
+                actions += self._fail_instance_after_bug(state, index, doing, exc, now)
+        return self._settled(actions, now)
+
+    def _python_outcome(
+        self, state: RequestState, index: int, position: int, outcome: Outcome, now: float
+    ) -> list[Action]:
+        if isinstance(outcome, ErrorInfo):
+            return self._fail_instance(state, index, outcome.code, outcome.message, now)
+        instance = state.instances[index]
+        step = state.call.method.steps[position]
+        for j, tensor in enumerate(outcome):
+            instance.env[(step.index, j)] = tensor
+        instance.step += 1
+        return self._advance(state, index, now)
 
     def on_rank_lost(self, servable: str, version: int, message: str, now: float) -> list[Action]:
         """A group lost ranks: every open instance of the group fails at once."""
         actions: list[Action] = []
         doomed = [s for s in self.requests.values() if s.call.lane_key == (servable, version)]
         for state in doomed:
-            for index, instance in enumerate(state.instances):
-                if instance.outcome is None and state.key in self.requests:
-                    actions += self._fail_instance(state, index, ErrorCode.RANK_LOST, message, now)
+            try:
+                actions += self._fail_open_instances(state, ErrorCode.RANK_LOST, message, now)
+            except Exception as exc:  # a scheduler bug: still one outcome for each
+                actions += self._abandon_after_bug(state, "failing a request of a lost rank", exc)
         lane = self._lanes.get((servable, version))
         if lane and lane.batcher is not None:
             lane.batcher.clear()
-        return actions + self._settle(now)
+        return self._settled(actions, now)
+
+    def _fail_open_instances(
+        self, state: RequestState, code: ErrorCode, message: str, now: float
+    ) -> list[Action]:
+        """Fail every instance of ``state`` without an outcome (finished ones keep theirs)."""
+        actions: list[Action] = []
+        for index, instance in enumerate(state.instances):
+            if instance.outcome is None and state.key in self.requests:
+                actions += self._fail_instance(state, index, code, message, now)
+        return actions
 
     def on_publish_failed(self, job_id: str, message: str, now: float) -> list[Action]:
         """A StageWork could not be handed to the broker: its instances fail UNAVAILABLE."""
@@ -141,15 +167,24 @@ class RequestMachine(Progress):
         if job is None:
             return []
         why = f"could not send job {job_id} to its ranks: {message}"
-        return self._fail_job(job, ErrorCode.UNAVAILABLE, why, now) + self._settle(now)
+        try:
+            actions = self._fail_job(job, ErrorCode.UNAVAILABLE, why, now)
+        except Exception as exc:  # a scheduler bug: the job's open requests fail loudly
+            doing = f"failing job {job_id} that could not be sent"
+            actions = self._fail_job_after_bug(job, doing, exc, now)
+        return self._settled(actions, now)
 
     def tick(self, now: float) -> list[Action]:
         """End every request whose deadline has passed; flush batches that are due."""
         actions: list[Action] = []
         for state in [s for s in self.requests.values() if s.call.request.deadline <= now]:
-            message = _deadline_message(self, state, now)
-            actions += self._fail_request(state, ErrorCode.DEADLINE, message, now)
-        return actions + self._settle(now)
+            try:
+                message = _deadline_message(self, state, now)
+                actions += self._fail_request(state, ErrorCode.DEADLINE, message, now)
+            except Exception as exc:  # a scheduler bug: still one outcome, and the others
+                doing = "ending the request at its deadline"
+                actions += self._abandon_after_bug(state, doing, exc)
+        return self._settled(actions, now)
 
     def shutdown(self, message: str, now: float) -> list[Action]:
         """Reply UNAVAILABLE to every request still open (the scheduler is stopping)."""
@@ -158,21 +193,47 @@ class RequestMachine(Progress):
             actions += self._fail_request(state, ErrorCode.UNAVAILABLE, message, now)
         return actions
 
+    def _settled(self, actions: list[Action], now: float) -> list[Action]:
+        """``actions``, then what settling starts (due batches, Python tasks, queued jobs).
+        A bug while settling is logged and loses none of ``actions`` (replies among them);
+        what it left unstarted is started by a later event (every tick settles), or ends
+        at its deadline."""
+        try:
+            return actions + self._settle(now)
+        except Exception as exc:
+            return [*actions, bug_log(bug_message("starting queued work", exc))]
+
     def _fail_after_bug(self, state: RequestState, exc: Exception, now: float) -> list[Action]:
         """The request whose admission raised gets an INTERNAL error now instead of waiting
         for its deadline (and the rest of its bundle is still admitted); the traceback is
         logged."""
         message = bug_message("while admitting the request", exc)
-        log = _bug_log(message, state.call.request.id)
+        log = bug_log(message, state.call.request.id)
         if state.key not in self.requests:  # it already had its one outcome
             return [log]
-        return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
+        try:
+            return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
+        except Exception:
+            return [log, *self._abandon(state, message)]
 
-    def _fail_job_after_bug(self, job: Job, exc: Exception, now: float) -> list[Action]:
-        """Handling a result of ``job`` raised: every instance it still serves gets an
-        INTERNAL error now instead of waiting for its deadline; the traceback is logged."""
-        message = bug_message(f"handling a result of job {job.id}", exc)
-        return [_bug_log(message), *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
+    def _fail_job_after_bug(self, job: Job, doing: str, exc: Exception, now: float) -> list[Action]:
+        """Handling ``job`` raised: every instance it still serves gets an INTERNAL error
+        now instead of waiting for its deadline; the traceback is logged."""
+        message = bug_message(doing, exc)
+        try:
+            return [bug_log(message), *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
+        except Exception:  # failing it the regular way raised too
+            actions: list[Action] = [bug_log(message)]
+            for key in dict.fromkeys(k for k, *_ in job.members):
+                state = self.requests.get(key)
+                if state is not None:
+                    actions += self._abandon(state, message)
+            return actions
+
+    def _abandon_after_bug(self, state: RequestState, doing: str, exc: Exception) -> list[Action]:
+        """Ending ``state`` the regular way raised: it is answered INTERNAL all the same."""
+        message = bug_message(doing, exc)
+        return [bug_log(message, state.call.request.id), *self._abandon(state, message)]
 
     # ------------------------------------------------------------------ admission
 
@@ -197,12 +258,6 @@ class RequestMachine(Progress):
         return error_reply(
             request, call.reply_to, call.correlation_id, code, message, version=call.group.version
         )
-
-
-def _bug_log(message: str, request_id: str = "-") -> Log:
-    """The error log of a bug the core caught: its message and the traceback (called while
-    the exception is being handled)."""
-    return Log(logging.ERROR, f"{message}\n{traceback.format_exc()}", request_id)
 
 
 def _deadline_message(machine: RequestMachine, state: RequestState, now: float) -> str:
