@@ -99,3 +99,9 @@ def test_the_flat_float_fast_path_gives_what_the_general_path_gives(data: list[o
         plain = np.asarray(flatten(data))
     assert fast.dtype == plain.dtype and fast.shape == plain.shape
     np.testing.assert_array_equal(fast, plain)  # NaN equal to NaN
+
+
+def test_a_bytes_string_that_is_not_valid_unicode_is_a_clear_400() -> None:
+    # orjson refuses the lone surrogate, the standard library reads it: it has no UTF-8.
+    with pytest.raises(BadInputError, match="not valid Unicode"):
+        decode_request(_request("BYTES", '["a", "\\ud800"]'), None)

@@ -103,6 +103,7 @@ async def test_casts_that_fit(
         ("FP32", [], "input 'x': json array, shape is empty"),
         ("FP32", [[1.0], [1.0, 2.0]], "input 'x': invalid json array"),
         ("FP32", [{"a": 1}, 2], "json array, data should be number, bool, string or bytes"),
+        ("BYTES", ["a", "\ud800"], "input 'x': a string that is not valid Unicode"),
     ],
 )
 async def test_values_that_do_not_fit(

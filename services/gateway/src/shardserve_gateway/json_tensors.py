@@ -137,7 +137,12 @@ def _bytes_array(name: str, data: Any, shape: tuple[int, ...], needed: int) -> n
     if not all(isinstance(v, str) for v in leaves):
         raise BadInputError(f"input {name!r}: BYTES data must be strings")
     out = np.empty(needed, dtype=object)
-    out[:] = [v.encode("utf-8") for v in leaves]
+    try:
+        out[:] = [v.encode("utf-8") for v in leaves]
+    except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") has no UTF-8 form
+        raise BadInputError(
+            f"input {name!r}: BYTES data holds a string that is not valid Unicode"
+        ) from None
     return out.reshape(shape)
 
 

@@ -111,7 +111,7 @@ def value_to_tensor(name: str, value: Any, datatype: str) -> Tensor:
             f"input {name!r}: invalid json array (ragged or out of range)"
         ) from None
     if array.dtype.kind == "U":
-        return _strings_tensor(array)
+        return _strings_tensor(name, array)
     if array.dtype.kind not in _DEFAULT_BY_KIND:
         raise BadInputError(
             f"input {name!r}: json array, data should be number, bool, string or bytes"
@@ -125,9 +125,12 @@ def _is_castable(datatype: str) -> bool:
     return datatype not in (ANY_DATATYPE, "BYTES", "BF16") and datatype in DATATYPE_TO_DTYPE
 
 
-def _strings_tensor(array: np.ndarray) -> Tensor:
+def _strings_tensor(name: str, array: np.ndarray) -> Tensor:
     items = np.empty(array.shape, dtype=object)
-    items.reshape(-1)[:] = [s.encode("utf-8") for s in array.reshape(-1).tolist()]
+    try:
+        items.reshape(-1)[:] = [s.encode("utf-8") for s in array.reshape(-1).tolist()]
+    except UnicodeEncodeError:  # a lone surrogate escape ("\ud800") has no UTF-8 form
+        raise BadInputError(f"input {name!r}: a string that is not valid Unicode") from None
     return Tensor(dtype=BYTES_DTYPE, shape=array.shape, data=pack_bytes_elements(items))
 
 
