@@ -10,7 +10,8 @@ Modules, one concept each:
   excluded) and latency statistics;
 - ``bodies``: KServe v2 request bodies (JSON and binary extension), identical for every target;
 - ``floor_server``: the floor, a single-process aiohttp + onnxruntime KServe v2 server
-  (JSON by orjson like the gateway: ``floor``; by Python's json: ``floor-stdlib``);
+  (JSON by orjson: ``floor``; read as the gateway reads it, numeric data straight into
+  numpy: ``floor-numeric``; by Python's json: ``floor-stdlib``);
 - ``broker_hop``: the broker limit, a raw request/reply over RabbitMQ with aio-pika;
 - ``ceilings``: the batching and pipelining ratios of the model alone (onnxruntime
   in-process, no serving layer):

@@ -3,13 +3,16 @@
 What a minimal single-process server costs for the same request body the mesh gets: HTTP,
 JSON (or binary-extension) decode, one ``session.run`` on the unsliced model, encode.
 No broker, no validation beyond what decoding needs. The mesh is compared against it.
-JSON goes through the gateway's own ``fast_json`` (orjson), so the floor ratio measures
-the mesh's overhead, not a difference of JSON parsers. ``--json stdlib`` uses Python's
-``json`` module instead (``tolist()`` out), what a plain single-process server does: the
-``floor-stdlib`` scenario, a second, less flattering reference.
+JSON is read with orjson (``--json fast``, the default: the fastest common JSON library,
+what a well-made plain server uses) and ``np.asarray``, and written from numpy by orjson.
+Two other readings serve as references: ``--json numeric`` reads the body the way the
+gateway does (``shardserve_gateway.numeric_json``: numeric ``data`` straight into numpy),
+so the ``floor-numeric`` ratios measure the mesh's overhead with no difference of JSON
+parsers at all; ``--json stdlib`` uses Python's ``json`` module (``tolist()`` out), what a
+plain single-process server does: the ``floor-stdlib`` scenario, the least demanding one.
 
     python -m benchmarks.floor_server --model MODEL.onnx --port 8500 [--threads 1]
-        [--json fast|stdlib]
+        [--json fast|numeric|stdlib]
 
 Routes: ``GET /v2/health/ready``, ``POST /v2/models/{model}/infer``.
 """
@@ -30,11 +33,11 @@ from aiohttp import web
 from shardserve.eventloop import configured_loop_factory
 from shardserve.heap import keep_freed_memory
 from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
-from shardserve_gateway import fast_json
+from shardserve_gateway import fast_json, numeric_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SESSION_KEY = web.AppKey("session", ort.InferenceSession)
-STDLIB_KEY = web.AppKey("stdlib_json", bool)
+JSON_KEY = web.AppKey("json_reading", str)  # fast | numeric | stdlib
 
 
 def load_session(model: Path, threads: int) -> ort.InferenceSession:
@@ -45,12 +48,22 @@ def load_session(model: Path, threads: int) -> ort.InferenceSession:
     return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
 
 
+def read_json(raw: bytes, reading: str) -> Any:
+    if reading == "stdlib":
+        return json.loads(raw)
+    if reading == "numeric":
+        doc = numeric_json.loads_request(raw)
+        if doc is not None:
+            return doc
+    return fast_json.loads(raw)
+
+
 def decode_inputs(
-    body: bytes, header_length: str | None, stdlib: bool = False
+    body: bytes, header_length: str | None, reading: str = "fast"
 ) -> tuple[dict[str, np.ndarray], bool]:
     """(inputs, binary_output) from a KServe v2 JSON or binary-extension body."""
     json_end = len(body) if header_length is None else int(header_length)
-    doc = json.loads(body[:json_end]) if stdlib else fast_json.loads(body[:json_end])
+    doc = read_json(body[:json_end], reading)
     offset = json_end
     inputs: dict[str, np.ndarray] = {}
     for spec in doc["inputs"]:
@@ -97,9 +110,10 @@ def encode_outputs(
 
 
 async def infer(request: web.Request) -> web.Response:
-    session, stdlib = request.app[SESSION_KEY], request.app[STDLIB_KEY]
+    session, reading = request.app[SESSION_KEY], request.app[JSON_KEY]
+    stdlib = reading == "stdlib"
     body = await request.read()
-    inputs, binary = decode_inputs(body, request.headers.get(HEADER_LENGTH), stdlib)
+    inputs, binary = decode_inputs(body, request.headers.get(HEADER_LENGTH), reading)
     names = [o.name for o in session.get_outputs()]
     values = session.run(names, inputs)
     outputs = dict(zip(names, values, strict=True))
@@ -112,11 +126,11 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def create_app(
-    model: Path, threads: int = 1, max_body_mb: int = 256, stdlib_json: bool = False
+    model: Path, threads: int = 1, max_body_mb: int = 256, json_reading: str = "fast"
 ) -> web.Application:
     app = web.Application(client_max_size=max_body_mb * 1024 * 1024)
     app[SESSION_KEY] = load_session(model, threads)
-    app[STDLIB_KEY] = stdlib_json
+    app[JSON_KEY] = json_reading
     app.router.add_get("/v2/health/ready", ready)
     app.router.add_post("/v2/models/{model}/infer", infer)
     return app
@@ -130,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads")
     parser.add_argument(
         "--json",
-        choices=("fast", "stdlib"),
+        choices=("fast", "numeric", "stdlib"),
         default="fast",
-        help="JSON library: the gateway's (orjson) or Python's json module",
+        help="JSON reading: orjson, the gateway's numeric_json, or Python's json module",
     )
     args = parser.parse_args(argv)
-    app = create_app(args.model, args.threads, stdlib_json=args.json == "stdlib")
+    app = create_app(args.model, args.threads, json_reading=args.json)
     # The same event loop as the mesh's services (uvloop unless SHARDSERVE_EVENT_LOOP says)
     # and the same C heap tuning: the floor keeps every advantage the gateway has.
     keep_freed_memory()

@@ -4,11 +4,13 @@ Every ratio divides two figures measured in the same run, so machine speed cance
 
 Per-hop cost. A mesh request at rank 1 crosses the broker 4 times: gateway -> scheduler
 (InferRequest), scheduler -> agent (StageWork), agent -> scheduler (StageResult),
-scheduler -> gateway (InferReply). The floor does the same HTTP + JSON + compute work with
-no broker, so ``mesh cost per hop = (mesh rank-1 p50 - floor p50) / 4`` at 1 client (JSON
-bodies): it includes each hop's encode/decode, publish, delivery and the services' own
-work around it. The raw broker round trip is 2 hops with the same payloads (48 KiB
-request, 8 KiB reply) and no work, so ``raw one-hop = raw round-trip p50 / 2``.
+scheduler -> gateway (InferReply). The floor that reads JSON as the gateway does
+(``floor-numeric``; the orjson ``floor`` when that one did not run) does the same HTTP +
+JSON + compute work with no broker, so ``mesh cost per hop = (mesh rank-1 p50 - floor
+p50) / 4`` at 1 client (JSON bodies): it includes each hop's encode/decode, publish,
+delivery and the services' own work around it. The raw broker round trip is 2 hops
+with the same payloads (48 KiB request, 8 KiB reply) and no work, so ``raw one-hop = raw
+round-trip p50 / 2``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,10 @@ def _sub(a: float | None, b: float | None) -> float | None:
 
 def per_hop_ms(results: dict[str, Any]) -> tuple[float | None, float | None]:
     """(mesh cost per hop, raw one-hop) in ms, as defined in the module docstring."""
-    extra = _sub(_get(results, "mesh1.json.c1", "p50_ms"), _get(results, "floor.json.c1", "p50_ms"))
+    floor = "floor-numeric" if "floor-numeric.json.c1" in results else "floor"
+    extra = _sub(
+        _get(results, "mesh1.json.c1", "p50_ms"), _get(results, f"{floor}.json.c1", "p50_ms")
+    )
     mesh = None if extra is None else extra / MESH_HOPS_RANK1
     raw_rt = _get(results, "broker.c1", "p50_ms")
     raw = None if raw_rt is None else raw_rt / RAW_ROUND_TRIP_HOPS
@@ -66,10 +71,11 @@ def per_hop_ms(results: dict[str, Any]) -> tuple[float | None, float | None]:
 
 
 def floor_ratios(results: dict[str, Any], floor: str = "floor") -> list[Ratio]:
-    """The issue's three ratios against one floor: ``floor`` (JSON by orjson, like the
-    gateway) or ``floor-stdlib`` (Python's json module, what a plain server does)."""
+    """The issue's three ratios against one floor: ``floor`` (JSON by orjson),
+    ``floor-numeric`` (JSON read as the gateway reads it) or ``floor-stdlib`` (Python's
+    json module, what a plain server does)."""
     r = results
-    label = "floor" if floor == "floor" else "stdlib floor"
+    label = {"floor": "floor", "floor-numeric": "numeric floor"}.get(floor, "stdlib floor")
     return [
         Ratio(
             f"mesh rank1 JSON c32 / {label} JSON c32 (req/s)",
@@ -95,10 +101,15 @@ def floor_ratios(results: dict[str, Any], floor: str = "floor") -> list[Ratio]:
 def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
     r = results
     mesh_hop, raw_hop = per_hop_ms(r)
-    stdlib = floor_ratios(r, "floor-stdlib") if "floor-stdlib.json.c32" in r else []
+    others = [
+        ratio
+        for floor in ("floor-numeric", "floor-stdlib")
+        if f"{floor}.json.c32" in r
+        for ratio in floor_ratios(r, floor)
+    ]
     return [
         *floor_ratios(r),
-        *stdlib,
+        *others,
         Ratio(
             "mesh cost per broker hop / raw one-hop",
             _div(mesh_hop, raw_hop),

@@ -229,8 +229,13 @@ def direct(run: Run) -> None:
 
 def floor(run: Run) -> None:
     """The floor server (aiohttp + onnxruntime, one process) on the unsliced matmul,
-    parsing JSON with the gateway's library (orjson)."""
+    parsing JSON with orjson."""
     _floor(run, "floor", "fast")
+
+
+def floor_numeric(run: Run) -> None:
+    """The same floor server reading JSON as the gateway does (numeric_json)."""
+    _floor(run, "floor-numeric", "numeric")
 
 
 def floor_stdlib(run: Run) -> None:
@@ -477,6 +482,7 @@ def loaded_from_log(text: str) -> list[tuple[float, str]]:
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "direct": direct,
     "floor": floor,
+    "floor-numeric": floor_numeric,
     "floor-stdlib": floor_stdlib,
     "broker": broker,
     "mesh1": mesh1,

@@ -123,13 +123,13 @@ def tiny_model(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("stdlib", [False, True], ids=["fast-json", "stdlib-json"])
+@pytest.mark.parametrize("reading", ["fast", "numeric", "stdlib"])
 @pytest.mark.parametrize("kind", ["json", "binary"])
 async def test_floor_server_answers_the_demo_model(
-    tiny_model: Path, kind: str, stdlib: bool
+    tiny_model: Path, kind: str, reading: str
 ) -> None:
     body = make_body(kind, {"x": np.ones((128, 96), dtype=np.float32)})
-    app = floor_server.create_app(tiny_model, stdlib_json=stdlib)
+    app = floor_server.create_app(tiny_model, json_reading=reading)
     async with TestClient(TestServer(app)) as client:
         assert (await client.get("/v2/health/ready")).status == 200
         response = await client.post(
@@ -162,7 +162,7 @@ def test_ratios_from_results() -> None:
     assert ratios["mesh cost per broker hop / raw one-hop"].value == pytest.approx(1.0)
     assert ratios["agent (RSS - overhead) / slice weights"].value == pytest.approx(70 / 64)
     assert ratios["TP8 JSON c32 / mesh rank1 JSON c32 (req/s)"].passed is None  # not measured
-    assert not any("stdlib" in name for name in ratios)  # that floor was not run
+    assert not any("stdlib" in name or "numeric" in name for name in ratios)  # not run
     assert "n/a" in render(results, list(ratios.values()), ["a note"])
 
 
@@ -234,7 +234,7 @@ def test_write_json(tmp_path: Path) -> None:
 
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
-    expected |= {"pipeline"}
+    expected |= {"pipeline", "floor-numeric"}
     assert expected | {"memory", "large", "cache"} == set(SCENARIOS)
 
 

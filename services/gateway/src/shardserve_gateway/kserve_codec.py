@@ -31,7 +31,7 @@ from shardserve.tensors import (
     dtype_itemsize,
     unpack_bytes_elements,
 )
-from shardserve_gateway import fast_json
+from shardserve_gateway import fast_json, numeric_json
 from shardserve_gateway.json_tensors import (
     array_from_kserve_json,
     element_count,
@@ -101,7 +101,9 @@ def parse_json_object(
 def decode_request(body: bytes, header_length: str | None) -> KServeRequest:
     """Decode an inference request (JSON or JSON + binary tensors)."""
     header, binary = split_body(body, header_length)
-    doc = parse_json_object(header)
+    doc = numeric_json.loads_request(header)
+    if doc is None:
+        doc = parse_json_object(header)
     try:
         return _decode_document(doc, binary)
     except BadInputError:

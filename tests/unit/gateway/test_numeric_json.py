@@ -1,0 +1,111 @@
+"""numeric_json reads a KServe body to exactly what the orjson/standard-library path gives,
+or declines (None) so that path decides."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardserve.errors import BadInputError
+from shardserve_gateway import numeric_json
+from shardserve_gateway.kserve_codec import (
+    KServeRequest,
+    _decode_document,
+    decode_request,
+    parse_json_object,
+)
+
+
+def _body(datatype: str, data: str, shape: str = "[2]") -> bytes:
+    entry = f'{{"name":"x","shape":{shape},"datatype":"{datatype}","data":{data}}}'
+    return f'{{"id":"r","inputs":[{entry}],"parameters":{{"p":[1,2]}}}}'.encode()
+
+
+def _regular(raw: bytes) -> KServeRequest:
+    """The path every body took before numeric_json (orjson, the stdlib on refusals)."""
+    try:
+        return _decode_document(parse_json_object(raw), None)
+    except BadInputError:
+        return _decode_document(parse_json_object(raw, exact=True), None)
+
+
+def _outcome(decode: object, raw: bytes) -> object:
+    try:
+        request = decode(raw, None) if decode is decode_request else _regular(raw)  # type: ignore[operator]
+    except BadInputError as exc:
+        return ("error", exc.message)
+    tensors = {k: (t.dtype, t.shape, t.data) for k, t in request.inputs.items()}
+    return (request.id, tensors, request.outputs, request.binary_data_output)
+
+
+BODIES = [
+    _body("FP32", "[1.5, -2.25]"),
+    _body("FP32", "[1, 2]"),
+    _body("FP64", "[1e-320, 1.7976931348623157e308]"),
+    _body("FP32", "[[1.0, 2.0], [3.0, 4.0]]", "[2, 2]"),
+    _body("FP32", "[[1.0], [2.0, 3.0]]", "[3]"),
+    _body("FP32", "[1.0, 2.0, 3.0]"),
+    _body("FP32", "[1.0, true]"),
+    _body("FP32", "[1.0, null]"),
+    _body("FP32", '[1.0, "a"]'),
+    _body("FP32", "[NaN, 1.0]"),
+    _body("FP32", "[1e400, 1.0]"),
+    _body("FP32", "[]", "[0]"),
+    _body("FP32", "1.5", "[]"),
+    _body("INT32", "[1, -2]"),
+    _body("INT8", "[1, 300]"),
+    _body("INT32", "[1.0, 2.0]"),
+    _body("INT64", f"[0, {2**63}]"),
+    _body("INT64", f"[0, {2**64}]"),
+    _body("UINT64", f"[0, {2**64 - 1}]"),
+    _body("UINT8", "[-1, 2]"),
+    _body("BOOL", "[true, false]"),
+    _body("BYTES", '["a", "\\u00e9"]'),
+    _body("BYTES", '["a", "\\ud800"]'),
+    _body("FP16", "[1.0, 2.0]"),
+    b'{"inputs":[{"name":"x","shape":[2],"datatype":"INT32","datatype":"FP32","data":[1.5,2]}]}',
+    b'{"inputs":[],"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]},'
+    b'{"name":"x","shape":[1],"datatype":"FP32","data":[2]}]}',
+    b'{"inputs":[1]}',
+    b'{"inputs":{"x":1}}',
+    b'{"outputs":[{"name":"y","parameters":{"binary_data":true}}],'
+    b'"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[3]}]}',
+    b"[1, 2]",
+    b'{"inputs": [',
+    b"\xff",
+    b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]} x',
+]
+
+
+@pytest.mark.parametrize("raw", BODIES, ids=range(len(BODIES)))
+def test_every_body_decodes_exactly_as_the_regular_path_decides(raw: bytes) -> None:
+    assert _outcome(decode_request, raw) == _outcome(_regular, raw)
+
+
+def test_numeric_data_is_read_straight_into_numpy() -> None:
+    doc = numeric_json.loads_request(_body("FP32", "[[1.5], [2]]", "[2, 1]"))
+    assert doc is not None
+    data = doc["inputs"][0]["data"]
+    assert isinstance(data, np.ndarray) and data.dtype == np.float64
+    assert data.tolist() == [1.5, 2.0]
+    assert doc["id"] == "r" and doc["parameters"] == {"p": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"[1]", b'{"a":1,"a":2}', b'{"inputs":5}', b'{"x":NaN}', b"\xff", b'{"inputs":[[1]]}'],
+)
+def test_bodies_it_cannot_be_sure_of_are_left_to_the_regular_path(raw: bytes) -> None:
+    assert numeric_json.loads_request(raw) is None
+
+
+def test_random_float32_bodies_match_bit_for_bit() -> None:
+    values = np.random.default_rng(7).standard_normal(4096).astype(np.float32)
+    values[:4] = [-0.0, np.float32(1e-45), np.finfo(np.float32).max, np.finfo(np.float32).tiny]
+    as_json = json.dumps(values.astype(np.float64).tolist())
+    raw = _body("FP32", as_json, "[64, 64]")
+    fast = decode_request(raw, None).inputs["x"]
+    assert fast.data == values.tobytes() == _regular(raw).inputs["x"].data
