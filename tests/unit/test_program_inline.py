@@ -3,18 +3,41 @@
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from shardserve import program
 from shardserve.program import OrtSegment
 
 
-class FakeSession:
-    """Records the thread each run happens in; ``busy_s`` of CPU work per run."""
+class ManualClock:
+    """Stands in for ``time`` in shardserve.program: a run costs exactly what the fake
+    session says, however busy the machine running the tests is."""
 
-    def __init__(self, busy_s: float) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def thread_time(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    manual = ManualClock()
+    monkeypatch.setattr(program, "time", manual)
+    return manual
+
+
+class FakeSession:
+    """Records the thread each run happens in; each run costs ``busy_s`` on the clock."""
+
+    def __init__(self, clock: ManualClock, busy_s: float) -> None:
+        self.clock = clock
         self.busy_s = busy_s
         self.threads: list[int] = []
 
@@ -26,14 +49,12 @@ class FakeSession:
 
     def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         self.threads.append(threading.get_ident())
-        end = time.thread_time() + self.busy_s
-        while time.thread_time() < end:
-            pass
+        self.clock.now += self.busy_s
         return [feeds["x"] * 2]
 
 
-async def test_a_short_segment_runs_inline_after_its_first_threaded_run() -> None:
-    session = FakeSession(busy_s=0.0)
+async def test_a_short_segment_runs_inline_after_its_first_threaded_run(clock: ManualClock) -> None:
+    session = FakeSession(clock, busy_s=0.0)
     segment = OrtSegment(session)
     x = np.ones(4, np.float32)
     for _ in range(3):
@@ -43,8 +64,8 @@ async def test_a_short_segment_runs_inline_after_its_first_threaded_run() -> Non
     assert session.threads[1:] == [loop_thread, loop_thread]
 
 
-async def test_a_long_segment_stays_in_a_thread() -> None:
-    session = FakeSession(busy_s=0.005)
+async def test_a_long_segment_stays_in_a_thread(clock: ManualClock) -> None:
+    session = FakeSession(clock, busy_s=0.005)
     segment = OrtSegment(session)
     x = np.ones(4, np.float32)
     for _ in range(3):
@@ -52,8 +73,8 @@ async def test_a_long_segment_stays_in_a_thread() -> None:
     assert threading.get_ident() not in session.threads
 
 
-async def test_much_bigger_feeds_go_back_to_a_thread() -> None:
-    session = FakeSession(busy_s=0.0)
+async def test_much_bigger_feeds_go_back_to_a_thread(clock: ManualClock) -> None:
+    session = FakeSession(clock, busy_s=0.0)
     segment = OrtSegment(session)
     await segment.run({"x": np.ones(4, np.float32)})
     await segment.run({"x": np.ones(4, np.float32)})
@@ -62,8 +83,10 @@ async def test_much_bigger_feeds_go_back_to_a_thread() -> None:
     assert [t == loop_thread for t in session.threads] == [False, True, False]
 
 
-async def test_the_instances_of_a_stacked_job_share_one_thread_hop_or_stay_inline() -> None:
-    session = FakeSession(busy_s=0.0002)  # 0.2 ms a run
+async def test_the_instances_of_a_stacked_job_share_one_thread_hop_or_stay_inline(
+    clock: ManualClock,
+) -> None:
+    session = FakeSession(clock, busy_s=0.0002)  # 0.2 ms a run
     segment = OrtSegment(session)
     x = np.ones(4, np.float32)
     await segment.run({"x": x})  # cost unknown: threaded; now known as ~0.2 ms
