@@ -198,6 +198,26 @@ async def test_values_that_do_not_fit_the_datatype_are_400(
     assert error == f"input 'x': {problem}"
 
 
+@pytest.mark.parametrize(
+    ("datatype", "data"),
+    [("FP32", [1.5, True]), ("INT32", [[1], [False]]), ("FP64", [False, 2.0])],
+)
+async def test_booleans_among_numbers_are_400_not_read_as_one_and_zero(
+    make_gateway: MakeGateway, datatype: str, data: list[Any]
+) -> None:
+    gw = await make_gateway(echo_servable(datatype, (2,)))
+    body = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype, "data": data}]}
+    error = await post_error(gw, body, 400, "/v2/models/echo/infer")
+    assert error == f"input 'x': {datatype} data must be numbers"
+
+
+async def test_an_id_that_is_not_valid_unicode_is_400(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(echo_servable("FP32", (1,)))
+    body = b'{"id":"\\ud800","inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}'
+    error = await post_error(gw, body, 400, "/v2/models/echo/infer")
+    assert error == "'id' must be valid Unicode"
+
+
 @pytest.mark.parametrize("datatype", ["FP16", "BF16"])
 async def test_half_precision_via_json_is_refused_with_tritons_words(
     make_gateway: MakeGateway, datatype: str

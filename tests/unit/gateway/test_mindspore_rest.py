@@ -104,6 +104,8 @@ async def test_casts_that_fit(
         ("FP32", [[1.0], [1.0, 2.0]], "input 'x': invalid json array"),
         ("FP32", [{"a": 1}, 2], "json array, data should be number, bool, string or bytes"),
         ("BYTES", ["a", "\ud800"], "input 'x': a string that is not valid Unicode"),
+        ("FP32", [1.5, True], "input 'x': json array, elements type is not equal"),
+        ("BYTES", ["a", 1], "input 'x': json array, elements type is not equal"),
     ],
 )
 async def test_values_that_do_not_fit(

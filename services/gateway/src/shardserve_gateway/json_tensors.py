@@ -75,6 +75,9 @@ def array_from_kserve_json(
     needed = element_count(shape)
     if datatype == "BYTES":
         return _bytes_array(name, data, shape, needed)
+    if datatype != "BOOL" and isinstance(data, list) and _holds_booleans(data):
+        # numpy would silently read true/false among numbers as 1/0.
+        raise BadInputError(f"input {name!r}: {datatype} data must be numbers")
     values = numpy_from_json(name, data)
     if values.size != needed:
         raise BadInputError(
@@ -86,6 +89,12 @@ def array_from_kserve_json(
         # check those element by element instead of trusting a lossy float array.
         return exact_integers(name, data, datatype).reshape(shape)
     return cast_values(name, values, datatype).reshape(shape)
+
+
+def _holds_booleans(data: list[Any]) -> bool:
+    """True when a JSON list holds a boolean anywhere (a Python-level scan, so only for
+    data ``numeric_json`` did not already read into numpy: it never reads booleans)."""
+    return any(type(v) is bool for v in flatten(data))
 
 
 def exact_integers(name: str, data: Any, datatype: str) -> np.ndarray:

@@ -121,6 +121,9 @@ def _decode_document(doc: dict[str, Any], binary: memoryview | None) -> KServeRe
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadInputError("'id' must be a string")
+    if request_id is not None and not _is_unicode(request_id):
+        # A lone surrogate escape ("\ud800") parses, but the id travels on as UTF-8.
+        raise BadInputError("'id' must be valid Unicode")
     reader = _BinaryReader(binary)
     inputs = _decode_inputs(doc.get("inputs"), reader)
     reader.finish()
@@ -131,6 +134,14 @@ def _decode_document(doc: dict[str, Any], binary: memoryview | None) -> KServeRe
         binary_data_output=_flag(params, "binary_data_output", "request"),
         timeout_ms=params.get("timeout_ms"),
     )
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parameters(raw: Any, where: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from shardserve.errors import BadInputError
 from shardserve.protocol import InstanceResult, TensorSpec
 from shardserve.signature import ANY_DATATYPE
 from shardserve.tensors import BYTES_DTYPE, DATATYPE_TO_DTYPE, Tensor, pack_bytes_elements
-from shardserve_gateway.json_tensors import cast_values, element_count, to_tensor
+from shardserve_gateway.json_tensors import cast_values, element_count, flatten, to_tensor
 
 B64_KEYS = ("b64", "type", "shape")
 B64_TYPES: dict[str, str] = {
@@ -104,6 +104,9 @@ def value_to_tensor(name: str, value: Any, datatype: str) -> Tensor:
         return b64_tensor(name, value)
     if isinstance(value, list) and not value:
         raise BadInputError(f"input {name!r}: json array, shape is empty")
+    if isinstance(value, list) and len(_leaf_kinds(value)) > 1:
+        # numpy would read true among numbers as 1, or numbers among strings as strings.
+        raise BadInputError(f"input {name!r}: json array, elements type is not equal")
     try:
         array = np.asarray(value)
     except (ValueError, OverflowError):
@@ -118,6 +121,13 @@ def value_to_tensor(name: str, value: Any, datatype: str) -> Tensor:
         )
     target = datatype if _is_castable(datatype) else _DEFAULT_BY_KIND[array.dtype.kind]
     return to_tensor(cast_values(name, array, target, integral_floats=True))
+
+
+def _leaf_kinds(value: list[Any]) -> set[str]:
+    """The JSON kinds among an array's leaves: bool, number, string (integers and floats
+    mix freely; other kinds are left to the checks after it)."""
+    kinds = {bool: "bool", int: "number", float: "number", str: "string"}
+    return {kinds[type(v)] for v in flatten(value) if type(v) in kinds}
 
 
 def _is_castable(datatype: str) -> bool:
