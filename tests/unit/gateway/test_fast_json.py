@@ -105,3 +105,18 @@ def test_a_bytes_string_that_is_not_valid_unicode_is_a_clear_400() -> None:
     # orjson refuses the lone surrogate, the standard library reads it: it has no UTF-8.
     with pytest.raises(BadInputError, match="not valid Unicode"):
         decode_request(_request("BYTES", '["a", "\\ud800"]'), None)
+
+
+def test_leaf_types_looks_through_every_level_of_nesting() -> None:
+    from shardserve_gateway.json_tensors import leaf_types
+
+    assert leaf_types([1, [2.0, [True, "a", [None]]], {}]) == {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        dict,
+    }
+    assert leaf_types([[1.5] * 3, [2.5]]) == {float}
+    assert leaf_types([]) == set()

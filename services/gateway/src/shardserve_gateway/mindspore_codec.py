@@ -27,7 +27,7 @@ from shardserve.errors import BadInputError
 from shardserve.protocol import InstanceResult, TensorSpec
 from shardserve.signature import ANY_DATATYPE
 from shardserve.tensors import BYTES_DTYPE, DATATYPE_TO_DTYPE, Tensor, pack_bytes_elements
-from shardserve_gateway.json_tensors import cast_values, element_count, flatten, to_tensor
+from shardserve_gateway.json_tensors import cast_values, element_count, leaf_types, to_tensor
 
 B64_KEYS = ("b64", "type", "shape")
 B64_TYPES: dict[str, str] = {
@@ -123,11 +123,13 @@ def value_to_tensor(name: str, value: Any, datatype: str) -> Tensor:
     return to_tensor(cast_values(name, array, target, integral_floats=True))
 
 
+_JSON_KINDS: dict[type, str] = {bool: "bool", int: "number", float: "number", str: "string"}
+
+
 def _leaf_kinds(value: list[Any]) -> set[str]:
     """The JSON kinds among an array's leaves: bool, number, string (integers and floats
     mix freely; other kinds are left to the checks after it)."""
-    kinds = {bool: "bool", int: "number", float: "number", str: "string"}
-    return {kinds[type(v)] for v in flatten(value) if type(v) in kinds}
+    return {_JSON_KINDS[t] for t in leaf_types(value) if t in _JSON_KINDS}
 
 
 def _is_castable(datatype: str) -> bool:
