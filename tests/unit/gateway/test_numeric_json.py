@@ -80,11 +80,27 @@ BODIES = [
 ]
 
 
+@pytest.fixture
+def every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small bodies too take the numpy path (normally only bodies of MIN_BYTES or more)."""
+    monkeypatch.setattr(numeric_json, "MIN_BYTES", 0)
+
+
+@pytest.mark.usefixtures("every_size")
 @pytest.mark.parametrize("raw", BODIES, ids=range(len(BODIES)))
 def test_every_body_decodes_exactly_as_the_regular_path_decides(raw: bytes) -> None:
     assert _outcome(decode_request, raw) == _outcome(_regular, raw)
 
 
+def test_small_bodies_are_left_to_orjson() -> None:
+    assert numeric_json.loads_request(_body("FP32", "[1.5, 2.5]")) is None
+    big = _body("FP32", json.dumps([0.5] * 2048), "[2048]")
+    assert len(big) >= numeric_json.MIN_BYTES
+    doc = numeric_json.loads_request(big)
+    assert doc is not None and isinstance(doc["inputs"][0]["data"], np.ndarray)
+
+
+@pytest.mark.usefixtures("every_size")
 def test_numeric_data_is_read_straight_into_numpy() -> None:
     doc = numeric_json.loads_request(_body("FP32", "[[1.5], [2]]", "[2, 1]"))
     assert doc is not None
@@ -98,6 +114,7 @@ def test_numeric_data_is_read_straight_into_numpy() -> None:
     "raw",
     [b"[1]", b'{"a":1,"a":2}', b'{"inputs":5}', b'{"x":NaN}', b"\xff", b'{"inputs":[[1]]}'],
 )
+@pytest.mark.usefixtures("every_size")
 def test_bodies_it_cannot_be_sure_of_are_left_to_the_regular_path(raw: bytes) -> None:
     assert numeric_json.loads_request(raw) is None
 

@@ -6,6 +6,9 @@ gateway's CPU here, the largest part of a JSON request. simdjson (pysimdjson) pa
 document into its own tape and copies a numeric array out as one C buffer of doubles or
 int64s (0.4 ms for the same body, every value correctly rounded like orjson's).
 
+Small documents are left to orjson (None): below a few KB it is the faster of the two
+(a binary request's 175-byte JSON header: 2.3 us by orjson, 14.5 us here).
+
 Only what is certain takes this path; anything else returns None and the caller parses as
 before (orjson, then the standard library), so every answer stays what it was:
 - a body simdjson refuses (NaN/Infinity literals, numbers beyond a double or beyond 64-bit
@@ -32,11 +35,16 @@ _BUFFER_TYPES: dict[str, _BufferType] = {"FP32": "d", "FP64": "d"}
 _BUFFER_TYPES.update(dict.fromkeys(_INTEGER_TYPES, "i"))
 _NUMPY_TYPES = {"d": np.float64, "i": np.int64}
 _SIMD_ERRORS = (ValueError, TypeError, RuntimeError, RecursionError)
+# Where this path starts to pay, measured on whole KServe decodes: 5.3 KB even, 21 KB
+# 71 us here against 122 us by orjson.
+MIN_BYTES = 8 * 1024
 
 
 def loads_request(raw: bytes) -> dict[str, Any] | None:
     """The request document with numeric input data as flat numpy arrays, or None when
     the body must be parsed the regular way (see the module docstring)."""
+    if len(raw) < MIN_BYTES:
+        return None
     # A parser per body: its documents are only valid until it parses again, and an
     # exception's traceback may keep one alive (creating a parser costs under 1 us).
     parser = simdjson.Parser()
