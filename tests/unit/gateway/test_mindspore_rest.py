@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gateway_fakes import Gateway, MakeGateway, ok_reply, servable
 
-from shardserve.errors import ErrorCode
+from shardserve.errors import BadInputError, ErrorCode
 from shardserve.protocol import (
     ErrorInfo,
     InferReply,
@@ -269,3 +269,50 @@ async def test_get_is_405_with_error_msg(gateway: Gateway) -> None:
     resp = await gateway.client.get("/model/matmul:predict")
     assert resp.status == 405
     assert "error_msg" in await resp.json()
+
+
+MS_BODIES = [
+    b'{"instances":[{"x":[[1.5,2],[3,4e2]]}]}',
+    b'{"instances":{"x":[1,2]},"instances":{"x":[3]}}',
+    b'{"instances":[{"x":1,"x":2.5}]}',
+    b'{"instance\\u0073":[{"x":1}],"instances":[{"x":2}]}',
+    b'{"instances":[{"x":[NaN, Infinity]}]}',
+    b'{"instances":[{"x":[1e400]}]}',
+    b'{"instances":[{"x":[18446744073709551616, -9223372036854775809]}]}',
+    b'{"instances":[{"x":[18446744073709551615, -0, -0.0]}]}',
+    b'{"instances":[{"x":"\\ud800"}]}',
+    b'{"instances":[{"x":"caf\xc3\xa9"}]}',
+    b'{"instances":[{"x":1}],}',
+    b'{"instances":[{"x":1}]} [1]',
+    b'\xef\xbb\xbf{"instances":[{"x":1}]}',
+    b'{"instances":[]}',
+    b'{"instances":5}',
+    b'{"other":[{"x":1}]}',
+    b"[" * 1100 + b"]" * 1100,
+]
+
+
+def _outcome_of(parse: Any, raw: bytes) -> Any:
+    try:
+        return ("ok", repr(parse(raw)))
+    except BadInputError as exc:
+        return ("error", exc.message)
+
+
+@pytest.mark.parametrize("raw", MS_BODIES, ids=range(len(MS_BODIES)))
+def test_fast_instance_parsing_decides_as_the_standard_library(
+    raw: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardserve_gateway import mindspore_codec
+
+    fast = _outcome_of(mindspore_codec.parse_instances, raw)
+    monkeypatch.setattr(mindspore_codec, "_fast_load", lambda raw: None)
+    assert fast == _outcome_of(mindspore_codec.parse_instances, raw)
+
+
+def test_a_plain_numeric_body_takes_the_fast_path() -> None:
+    from shardserve_gateway import mindspore_codec
+
+    assert mindspore_codec._fast_load(MS_BODIES[0]) == {
+        "instances": [{"x": [[1.5, 2], [3, 400.0]]}]
+    }

