@@ -201,7 +201,7 @@ async def scheduler(
     await broker.consume(queue.name, fake.on_request, prefetch=16)
     status_task = asyncio.create_task(fake.broadcast_status())
     try:
-        await _wait_ready(gateway_process)
+        await _wait_ready(gateway_process, fake.servable)
         yield fake
     finally:
         status_task.cancel()
@@ -210,13 +210,23 @@ async def scheduler(
         await broker.close()
 
 
-async def _wait_ready(gw: GatewayProcess, within_s: float = 30.0) -> None:
+async def _wait_ready(gw: GatewayProcess, servable: str, within_s: float = 30.0) -> None:
+    """Until the gateway is ready and knows this test's servable: the gateway outlives each
+    test's fake scheduler, so it can be ready on the previous one's status first."""
+    paths = ("/v2/health/ready", f"/v2/models/{servable}/ready")
     async with aiohttp.ClientSession() as session, asyncio.timeout(within_s):
-        while True:
-            async with session.get(f"{gw.url}/v2/health/ready") as resp:
-                if resp.status == 200:
-                    return
+        while True:  # polling: the gateway offers no event to wait on from outside
+            if await _all_ok(session, [gw.url + path for path in paths]):
+                return
             await asyncio.sleep(0.1)
+
+
+async def _all_ok(session: aiohttp.ClientSession, urls: list[str]) -> bool:
+    for url in urls:
+        async with session.get(url) as resp:
+            if resp.status != 200:
+                return False
+    return True
 
 
 async def test_binary_infer_through_tritonclient(
@@ -373,7 +383,7 @@ async def test_broker_outage_fails_fast_then_recovers(
         assert (status, body["error"]) == (503, "message broker is unreachable")
         await closing
         # After the robust connection is back, replies and status broadcasts flow again.
-        await _wait_ready(gateway_process)
+        await _wait_ready(gateway_process, scheduler.servable)
         status, body = await _post_infer(session, f"{base}/v2/models/{scheduler.servable}/infer")
         assert status == 200, body
         await asyncio.sleep(1.0)
