@@ -89,7 +89,10 @@ async def test_stop_terminates_the_whole_process_group() -> None:
     assert pid is not None
     await asyncio.wait_for(child.stop(grace=10), 30)
     await task
-    assert not _alive(pid) and not _alive(grandchild)
+    assert not _alive(pid)
+    # The grandchild got the same SIGTERM but is not ours to reap: it may take a moment
+    # on a busy machine to die (a failure once in scripts/check); it must not outlive 10 s.
+    await until(lambda: not _alive(grandchild), within_s=10)
     assert child.starts == 1 and not child.gave_up
 
 
