@@ -316,3 +316,27 @@ def test_a_plain_numeric_body_takes_the_fast_path() -> None:
     assert mindspore_codec._fast_load(MS_BODIES[0]) == {
         "instances": [{"x": [[1.5, 2], [3, 400.0]]}]
     }
+
+
+def test_reply_values_are_the_doubles_tolist_gives_whatever_the_writer() -> None:
+    from shardserve_gateway.mindspore_codec import reply_body, tensor_to_json
+
+    rng = np.random.default_rng(5)
+    outputs = {
+        "f": rng.standard_normal((4, 3)).astype(np.float32),
+        "i": np.array([[-3, 7]], dtype=np.int64),
+        "b": np.array([True, False]),
+        "s": np.array(2.5, dtype=np.float32),  # shape []: a JSON scalar
+    }
+    doc = {"instances": [{k: tensor_to_json(Tensor.from_numpy(v)) for k, v in outputs.items()}]}
+    back = json.loads(reply_body(doc))["instances"][0]
+    assert back == {k: v.tolist() for k, v in outputs.items()}
+    assert back["f"] == outputs["f"].tolist()  # doubles of the float32s, not their shortest repr
+
+
+def test_non_finite_reply_values_are_written_as_before() -> None:
+    from shardserve_gateway.mindspore_codec import reply_body, tensor_to_json
+
+    values = np.array([np.nan, np.inf, 1.5], dtype=np.float32)
+    doc = {"instances": [{"y": tensor_to_json(Tensor.from_numpy(values))}]}
+    assert reply_body(doc) == b'{"instances":[{"y":[NaN,Infinity,1.5]}]}'

@@ -30,8 +30,13 @@ from shardserve_gateway.body import read_body
 from shardserve_gateway.dispatch import choose_timeout
 from shardserve_gateway.kserve import TIMEOUT_HEADER
 from shardserve_gateway.mesh_view import Target, find_method, require_ready
-from shardserve_gateway.mindspore_codec import instance_reply, instance_tensors, parse_instances
-from shardserve_gateway.responses import error_response, json_response
+from shardserve_gateway.mindspore_codec import (
+    instance_reply,
+    instance_tensors,
+    parse_instances,
+    reply_body,
+)
+from shardserve_gateway.responses import JSON_TYPE, error_response
 from shardserve_gateway.state import (
     DISPATCHER_KEY,
     INFER_LABELS_KEY,
@@ -137,7 +142,7 @@ def reply_response(reply: InferReply, target: Target, expected: int) -> web.Resp
     else:
         status = 200
     body = {"instances": [instance_reply(r, target.method.outputs) for r in reply.instances]}
-    return json_response(body, status)
+    return web.Response(body=reply_body(body), status=status, content_type=JSON_TYPE)
 
 
 def _first_error(failed: list[InstanceResult]) -> ErrorInfo:
