@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -231,8 +232,26 @@ def facts_table(results: dict[str, Any]) -> list[str]:
                 f"large {size} MB: mesh p50 {fmt(mesh['p50_ms'])} ms, raw broker round "
                 f"trip {raw_ms} ms, mesh/raw {fmt(vs)} ({ok})"
             )
+    lines += allreduce_lines(results)
     for name, entry in (results.get("memory") or {}).items():
         lines.append(f"memory {name}: RSS {entry['rss_mb']} MB, slice {entry['slice_mb']} MB")
+    return lines
+
+
+def allreduce_lines(results: dict[str, Any]) -> list[str]:
+    """Leader vs sharded allreduce per rank count and part size (``allreduce`` scenario)."""
+    lines: list[str] = []
+    pattern = re.compile(r"^allreduce\.r(\d+)\.leader\.(\d+)KiB$")
+    for key in sorted(results, key=lambda k: [int(n) for n in re.findall(r"\d+", k)]):
+        match = pattern.match(key)
+        sharded = results.get(key.replace(".leader.", ".sharded."))
+        if match is None or not sharded:
+            continue
+        leader_ms, sharded_ms = results[key]["ms_per_allreduce"], sharded["ms_per_allreduce"]
+        lines.append(
+            f"allreduce {match[1]} ranks, {match[2]} KiB parts: leader {fmt(leader_ms)} ms, "
+            f"sharded {fmt(sharded_ms)} ms, leader/sharded {fmt(_div(leader_ms, sharded_ms))}"
+        )
     return lines
 
 

@@ -10,10 +10,14 @@ large tensors, the transformer for the compile cache).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -45,6 +49,8 @@ BATCH_MLP_LAYERS = 1  # the batching target's model: "MLP 1024->4096->1024", one
 BATCH_CLIENTS = 32
 PIPELINE_CLIENTS = 8  # max-inflight 1 queues 10 jobs at most: more clients would be refused
 LARGE_SIZES_MB = (1, 16, 64)
+ALLREDUCE_RANKS = (4, 8)
+ALLREDUCE_SIZES_KIB = (256, 1024, 4096, 8192, 16384)
 WIDE_HIDDEN = 4096  # the large-tensor model: rows of 16 KiB, almost no compute
 NO_BATCHING = {"SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE": "1"}
 
@@ -425,6 +431,47 @@ def large(run: Run) -> None:
             run.record(f"large.broker.{size}MB", result, tensor_mb=size)
 
 
+def allreduce(run: Run) -> None:
+    """The agents' allreduce alone (``benchmarks.allreduce``: one process per rank over
+    the broker, no model) at 4 and 8 ranks, leader vs sharded, on parts of 256 KiB to
+    16 MiB: where sharding starts to pay (``collective.MIN_SHARD_BYTES``)."""
+    count = 6 if run.quick else 15
+    for ranks in ALLREDUCE_RANKS:
+        version_dir = matmul_repo(run, ranks, 1) / "matmul" / "1"
+        for kib in ALLREDUCE_SIZES_KIB:
+            for algorithm in ("leader", "sharded"):
+                timings = _allreduce_ranks(run, version_dir, ranks, algorithm, kib * 1024, count)
+                per_job = float(np.median([np.mean(t[1:]) for t in timings]))  # [0]: warm-up
+                key = f"allreduce.r{ranks}.{algorithm}.{kib}KiB"
+                run.results[key] = {"ms_per_allreduce": round(per_job, 3)}
+                print(f"  {key:<32} {per_job:9.2f} ms per allreduce", flush=True)
+
+
+def _allreduce_ranks(
+    run: Run, version_dir: Path, ranks: int, algorithm: str, size: int, count: int
+) -> list[list[float]]:
+    """Every rank's allreduce timings (ms) from one run of the rank processes."""
+    run_id = f"ar{uuid.uuid4().hex[:10]}"
+    common = ["--url", run.amqp_url, "--run", run_id, "--group-dir", str(version_dir)]
+    common += ["--bytes", str(size), "--count", str(count), "--algorithm", algorithm]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.allreduce", *common, "--rank", str(rank)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    timings: list[list[float]] = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"allreduce rank failed ({proc.returncode}): {err[-2000:]}")
+        timings.append(json.loads(out.strip().splitlines()[-1])["ms"])
+    return timings
+
+
 async def _raw_few(run: Run, queue: str, size: int, count: int) -> LoadResult:
     payload = b"q" * size
     async with Requester(run.amqp_url, queue) as requester:
@@ -492,5 +539,6 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "pipeline": pipeline,
     "memory": memory,
     "large": large,
+    "allreduce": allreduce,
     "cache": cache,
 }

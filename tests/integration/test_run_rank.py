@@ -14,10 +14,14 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 import pytest
 
 from shardserve import lite
+from shardserve.collective import MIN_SHARD_BYTES
 from shardserve.export.matmul import export_matmul
+from shardserve.export.mlp import export_mlp, reference_model
 
 pytestmark = pytest.mark.integration
 
@@ -197,3 +201,36 @@ def test_lite_api_over_the_broker_and_a_failing_peer(repo: Path, isolated_amqp_u
         outcome = second[rank]
         assert isinstance(outcome, lite.PeerFailedError), outcome
         assert "rank 1 failed" in str(outcome) and "kernel exploded" in str(outcome)
+
+
+def test_a_big_allreduce_is_sharded_and_matches_the_unsliced_model(
+    tmp_path: Path, isolated_amqp_url: str
+) -> None:
+    """4 ranks of a row-split MLP whose allreduce carries parts of 4 x MIN_SHARD_BYTES:
+    reduce-scatter + allgather over the real broker, the unsliced answer, the same bits
+    on every rank."""
+    mlp = dict(hidden=1024, ffn=64, layers=1, seed=3)
+    export_mlp(tmp_path / "repo", rank_size=4, **mlp)  # type: ignore[arg-type]
+    rows = 4 * MIN_SHARD_BYTES // (mlp["hidden"] * 4)  # the partial sums: [rows, hidden] fp32
+    x = np.random.default_rng(1).standard_normal((rows, mlp["hidden"])).astype(np.float32)
+    models = build_ranks(tmp_path / "repo" / "mlp" / "1", [0, 1, 2, 3], isolated_amqp_url)
+    try:
+
+        def predict(model: lite.Model) -> np.ndarray:
+            [tensor] = model.get_inputs()
+            tensor.set_data_from_numpy(x)
+            [output] = model.predict([tensor])
+            return output.get_data_to_numpy()
+
+        with ThreadPoolExecutor(len(models)) as pool:
+            outputs = list(pool.map(predict, models))
+        runs = [model._require().mesh.hub.runs for model in models]  # type: ignore[union-attr]
+    finally:
+        for model in models:
+            model.close()
+    unsliced = ort.InferenceSession(reference_model(**mlp).SerializeToString())  # type: ignore[arg-type]
+    [expected] = unsliced.run(None, {"x": x})
+    for rank, got in enumerate(outputs):
+        assert float(np.max(np.abs(got - expected))) <= 1e-5
+        assert got.tobytes() == outputs[0].tobytes()
+        assert runs[rank]["sharded"] == 1, runs[rank]

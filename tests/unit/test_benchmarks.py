@@ -28,6 +28,7 @@ from benchmarks.ceilings import batching_ceiling, pipeline_ceiling  # noqa: E402
 from benchmarks.loadgen import LoadSpec, percentile, run_load, summarize  # noqa: E402
 from benchmarks.report import (  # noqa: E402
     Ratio,
+    allreduce_lines,
     compute_ratios,
     per_hop_ms,
     render,
@@ -235,7 +236,21 @@ def test_write_json(tmp_path: Path) -> None:
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
     expected |= {"pipeline", "floor-numeric"}
-    assert expected | {"memory", "large", "cache"} == set(SCENARIOS)
+    assert expected | {"memory", "large", "allreduce", "cache"} == set(SCENARIOS)
+
+
+def test_allreduce_lines_pair_the_algorithms_in_size_order() -> None:
+    results = {
+        "allreduce.r4.sharded.16384KiB": {"ms_per_allreduce": 100.0},
+        "allreduce.r4.leader.16384KiB": {"ms_per_allreduce": 200.0},
+        "allreduce.r4.leader.256KiB": {"ms_per_allreduce": 5.0},
+        "allreduce.r4.sharded.256KiB": {"ms_per_allreduce": 10.0},
+        "allreduce.r8.leader.1024KiB": {"ms_per_allreduce": 30.0},  # no sharded pair: skipped
+    }
+    assert allreduce_lines(results) == [
+        "allreduce 4 ranks, 256 KiB parts: leader 5 ms, sharded 10 ms, leader/sharded 0.5",
+        "allreduce 4 ranks, 16384 KiB parts: leader 200 ms, sharded 100 ms, leader/sharded 2",
+    ]
 
 
 def test_cpu_meter_counts_this_process() -> None:

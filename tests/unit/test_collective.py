@@ -155,7 +155,9 @@ class Stage:
     """In-process transport for the hubs of one stage: multicast and point-to-point,
     counting deliveries (a multicast reaches every hub, the sender's own included)."""
 
-    def __init__(self, ranks: tuple[int, ...], point_to_point: bool) -> None:
+    def __init__(
+        self, ranks: tuple[int, ...], point_to_point: bool, min_shard_bytes: int = 2**40
+    ) -> None:
         self.deliveries = 0
         self.hubs = {
             r: CollectiveHub(
@@ -164,6 +166,7 @@ class Stage:
                 stage_ranks=ranks,
                 publish=self._multicast,
                 send_to=self._send if point_to_point else None,
+                min_shard_bytes=min_shard_bytes,
             )
             for r in ranks
         }
@@ -178,18 +181,19 @@ class Stage:
         self.hubs[rank].accept(part)
 
     async def allreduce(self, job: str, arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-        def total(parts: list[np.ndarray]) -> np.ndarray:
-            out = parts[0].copy()
-            for p in parts[1:]:
-                out += p
-            return out
-
         async def one(rank: int) -> np.ndarray:
             collective = self.hubs[rank].begin(job, deadline=float("inf"))
-            return await collective.allcombine(0, arrays[rank], total)
+            return await collective.allreduce(0, arrays[rank])
 
         results = await asyncio.gather(*(one(r) for r in self.hubs))
         return dict(zip(self.hubs, results, strict=True))
+
+
+def summed_in_rank_order(arrays: dict[int, np.ndarray]) -> np.ndarray:
+    expected = arrays[0].copy()
+    for r in sorted(arrays)[1:]:
+        expected += arrays[r]
+    return expected
 
 
 @pytest.mark.parametrize(
@@ -209,9 +213,7 @@ async def test_both_algorithms_agree_bit_for_bit_on_every_rank(point_to_point: b
     rng = np.random.default_rng(7)
     arrays = {r: rng.standard_normal((4, 3)).astype(np.float32) for r in ranks}
     results = await stage.allreduce("job-a", arrays)
-    expected = arrays[0].copy()
-    for r in ranks[1:]:
-        expected += arrays[r]  # rank order, as combine does
+    expected = summed_in_rank_order(arrays)  # rank order, as combine does
     for result in results.values():
         assert result.tobytes() == expected.tobytes()
     # leader: 7 sends to the leader + one multicast to 8 queues; fanout: 8 multicasts.
@@ -229,3 +231,98 @@ async def test_leader_results_that_arrive_before_the_rank_starts_are_kept() -> N
     late = stage.hubs[2].begin("job-b", deadline=float("inf"))
     got = await late.allcombine(0, own(2.0), lambda ps: np.concatenate(ps, axis=1))
     assert got.tobytes() == combined.tobytes()
+
+
+# ----------------------------------------------------------------- sharded allreduce
+
+
+@pytest.mark.parametrize(
+    ("ranks", "point_to_point", "nbytes", "algorithm"),
+    [
+        (3, True, 3 * 1024, "sharded"),  # shards of 1 KiB: the minimum (test hubs: 1 KiB)
+        (3, True, 3 * 1024 - 4, "leader"),
+        (8, True, 8 * 1024, "sharded"),
+        (8, True, 4 * 1024, "leader"),  # the same part is too small for 8 shards
+        (3, True, None, "leader"),  # an allgather is never sharded
+        (2, True, 10**9, "fanout"),  # 2 ranks: fanout is best at any size
+        (8, False, 10**9, "fanout"),  # no point-to-point sends: no shards
+    ],
+)
+def test_big_allreduces_from_3_ranks_are_sharded(
+    ranks: int, point_to_point: bool, nbytes: int | None, algorithm: str
+) -> None:
+    hub = Stage(tuple(range(ranks)), point_to_point, min_shard_bytes=1024).hubs[0]
+    assert hub.algorithm_for(nbytes) == algorithm
+
+
+def test_the_default_minimum_is_a_mebibyte_per_shard() -> None:
+    hub = Stage((0, 1, 2, 3), point_to_point=True).hubs[0]
+    default = CollectiveHub(rank=0, stage=0, stage_ranks=(0, 1, 2, 3), publish=hub.publish)
+    default_p2p = CollectiveHub(
+        rank=0, stage=0, stage_ranks=(0, 1, 2, 3), publish=hub.publish, send_to=hub.send_to
+    )
+    assert default.algorithm_for(2**30) == "fanout"
+    assert default_p2p.algorithm_for(4 * 2**20) == "sharded"
+    assert default_p2p.algorithm_for(4 * 2**20 - 4) == "leader"
+
+
+@pytest.mark.parametrize("ranks", [3, 4, 8])
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 11), (1,)])
+async def test_sharded_allreduce_gives_the_leaders_bits_on_every_rank(
+    ranks: int, shape: tuple[int, ...]
+) -> None:
+    """Shards of uneven sizes (35, 66 and 1 elements over 3, 4 and 8 ranks; some empty),
+    summed in rank order by their owner: bit for bit what the leader computes."""
+    rng = np.random.default_rng(ranks)
+    arrays = {r: rng.standard_normal(shape).astype(np.float32) for r in range(ranks)}
+    sharded = Stage(tuple(range(ranks)), point_to_point=True, min_shard_bytes=0)
+    leader = Stage(tuple(range(ranks)), point_to_point=True)
+    got = await sharded.allreduce("job-s", arrays)
+    reference = await leader.allreduce("job-s", arrays)
+    expected = summed_in_rank_order(arrays)
+    for rank in range(ranks):
+        assert got[rank].shape == shape
+        assert got[rank].tobytes() == expected.tobytes() == reference[rank].tobytes()
+        assert sharded.hubs[rank].runs == {"sharded": 1}
+        assert leader.hubs[rank].runs == {"leader": 1}
+    # R-1 shards sent by each rank, then each summed shard multicast to all R queues.
+    assert sharded.deliveries == ranks * (ranks - 1) + ranks * ranks
+
+
+async def test_shards_that_arrive_before_the_rank_starts_are_kept() -> None:
+    stage = Stage((0, 1, 2), point_to_point=True, min_shard_bytes=0)
+    arrays = {r: np.full(6, float(r + 1), dtype=np.float32) for r in range(3)}
+    early = asyncio.gather(
+        *(stage.hubs[r].begin("j", float("inf")).allreduce(0, arrays[r]) for r in (0, 1))
+    )
+    task = asyncio.ensure_future(early)
+    await asyncio.sleep(0.01)  # ranks 0 and 1 sent their shards; rank 2 has not begun
+    assert not task.done()
+    late = await stage.hubs[2].begin("j", float("inf")).allreduce(0, arrays[2])
+    for result in [*(await task), late]:
+        assert result.tolist() == [6.0] * 6
+
+
+async def test_a_missing_shard_reaches_the_deadline_naming_the_rank() -> None:
+    hub, wire, clock = make_hub(rank=0, ranks=(0, 1, 2), send_to=_Outbox(), min_shard_bytes=0)
+    collective = hub.begin("j", deadline=clock.now + 5)
+    hub.accept(
+        CollectivePart(
+            job="j", stage=0, step=0, rank=1, phase="shard", tensor=Tensor.from_numpy(own(1.0))
+        )
+    )
+    task = asyncio.ensure_future(collective.allreduce(0, np.ones(6, dtype=np.float32)))
+    await asyncio.sleep(0)
+    clock.now += 10
+    collective.changed.set()
+    with pytest.raises(DeadlineError, match="rank\\(s\\) 2"):
+        await task
+    assert wire.sent == []  # nothing summed, nothing multicast
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, CollectivePart]] = []
+
+    async def __call__(self, rank: int, part: CollectivePart) -> None:
+        self.sent.append((rank, part))

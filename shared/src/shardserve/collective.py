@@ -10,7 +10,7 @@ Transport-free (parts go out through a ``publish`` callback, come in through ``a
 the agent wires it to its stage's collective queue, the standalone per-rank run
 (``shardserve.lite``) to its run-scoped queue.
 
-Two algorithms, chosen per collective by ``choose_algorithm``:
+Three algorithms, chosen per collective by ``CollectiveHub.algorithm_for``:
 
 - **fanout**: every rank multicasts its part to the stage; R publishes, R*(R-1)
   deliveries, one hop. Every rank combines the same parts in rank order.
@@ -18,15 +18,30 @@ Two algorithms, chosen per collective by ``choose_algorithm``:
   the leader combines in rank order and multicasts the combined result; R-1 + 1
   publishes, 2*(R-1) deliveries (+1 to the leader's own queue, dropped), two hops. All
   ranks use the leader's bytes, so they agree bit for bit.
+- **sharded** (allreduce only): reduce-scatter, then allgather. Every rank cuts its part
+  into R shards (by flat element index) and sends shard j to rank j; rank j sums the
+  shards it holds in rank order and multicasts that summed shard; every rank joins the
+  R summed shards. 2*R*(R-1) deliveries (+R to the senders' own queues, dropped), two
+  hops; but each rank takes in and sends out 2*(R-1)/R of a part, where the leader
+  takes in R-1 parts and sends one that the broker copies R-1 times, and the R partial
+  sums run side by side instead of all on the leader. Every element is summed by one
+  rank, in rank order, as the leader does: the same bits.
 
-Rule: leader when the stage has 3 or more ranks (and the transport can send to one
-rank), fanout otherwise. Every delivery has a fixed cost (a broker routing + a consumer
-wake-up + a decode) that dwarfs the bytes for activations of ordinary size: TP8 is 56
-deliveries per collective by fanout, 14 by leader. Bytes never favour fanout: an
-allgather moves (R*R-1)*S bytes by leader vs R*(R-1)*S by fanout (within 1/R), an
-allreduce 2*(R-1)*S vs R*(R-1)*S. At R = 2 both make 2 deliveries and fanout saves the
-hop. The part size is deliberately not an input: every rank must pick the same algorithm
-without talking, and shards of an uneven split differ in size.
+Rule: fanout under 3 ranks (or when the transport cannot send to one rank); from 3
+ranks, sharded for an allreduce whose shards would be at least ``MIN_SHARD_BYTES``
+(parts of R times that), leader for everything else. Every delivery has a fixed cost (a
+broker routing + a consumer wake-up + a decode) that dwarfs the bytes for activations of
+ordinary size: TP8 is 56 deliveries per collective by fanout, 14 by leader, 112
+sharded. Bytes never favour fanout over leader: an allgather moves (R*R-1)*S bytes by
+leader vs R*(R-1)*S by fanout (within 1/R), an allreduce 2*(R-1)*S vs R*(R-1)*S. Only
+big parts repay sharding, the bigger the more ranks; measured with
+``python -m benchmarks --only allreduce`` (2 cores), leader time / sharded time: at 4
+ranks 0.85 for 1 MiB parts, 1.04 for 4 MiB, 1.9 for 16 MiB; at 8 ranks 0.65 for 4 MiB,
+1.33 for 8 MiB, 1.98 for 16 MiB. At R = 2 fanout and leader both make 2 deliveries and
+fanout saves the hop. Every rank must pick the same algorithm without talking: an
+allreduce's parts have the same shape on every rank (partial sums of one tensor), so
+their size may decide; an allgather's shards of an uneven split differ in size, so for
+allgathers it may not.
 """
 
 from __future__ import annotations
@@ -34,8 +49,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
+from typing import Literal
 
 import numpy as np
 
@@ -48,17 +64,30 @@ _logger = logging.getLogger(__name__)
 PartPublisher = Callable[[CollectivePart], Awaitable[None]]
 PartSender = Callable[[int, CollectivePart], Awaitable[None]]  # (to rank, part)
 Combine = Callable[[list[np.ndarray]], np.ndarray]
-FANOUT, LEADER = "fanout", "leader"
+FANOUT, LEADER, SHARDED = "fanout", "leader", "sharded"
 LEADER_MIN_RANKS = 3
+MIN_SHARD_BYTES = 1024 * 1024  # allreduce parts of R times this or more are sharded
+Phase = Literal["part", "shard", "reduced"]
 
 
 def choose_algorithm(ranks: int, point_to_point: bool) -> str:
-    """The collective algorithm for a stage of ``ranks`` ranks (see the module docstring)."""
+    """The algorithm of a stage's allgathers, and of its allreduces of small parts (see
+    the module docstring)."""
     return LEADER if point_to_point and ranks >= LEADER_MIN_RANKS else FANOUT
+
+
+def sum_in_rank_order(parts: list[np.ndarray]) -> np.ndarray:
+    """parts[0] + parts[1] + ... in that order (float addition is not associative: every
+    rank adds in the same order to get the same bits)."""
+    total = parts[0].copy()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 Clock = Callable[[], float]
 StepParts = dict[int, np.ndarray]  # rank -> array
+StepKey = tuple[int, Phase]  # (step, phase): the buffers of one job
 
 
 class JobCancelledError(ShardserveError):
@@ -96,6 +125,7 @@ class CollectiveHub:
         finished_limit: int = 10_000,
         max_pending_jobs: int = 1_024,
         send_to: PartSender | None = None,
+        min_shard_bytes: int = MIN_SHARD_BYTES,
     ) -> None:
         self.rank = rank
         self.stage = stage
@@ -104,11 +134,13 @@ class CollectiveHub:
         self.algorithm = choose_algorithm(len(stage_ranks), send_to is not None)
         self._publish = publish
         self._send_to = send_to
+        self._min_shard_bytes = min_shard_bytes
         self._clock = clock
-        self._pending: OrderedDict[str, dict[int, StepParts]] = OrderedDict()
+        self._pending: OrderedDict[str, dict[StepKey, StepParts]] = OrderedDict()
         self._max_pending = max_pending_jobs
         self._finished = _BoundedSet(finished_limit)
         self._active: JobCollective | None = None
+        self.runs: Counter[str] = Counter()  # collectives run, by algorithm
 
     def accept(self, part: CollectivePart) -> None:
         """Take one part from the wire (own parts are added locally, not from the wire)."""
@@ -133,17 +165,28 @@ class CollectiveHub:
                 exc,
             )
             return
-        self.parts(part.job, part.step).setdefault(part.rank, array)
+        self.parts(part.job, part.step, part.phase).setdefault(part.rank, array)
         if self._active is not None and self._active.job == part.job:
             self._active.changed.set()
 
-    def parts(self, job: str, step: int) -> StepParts:
-        """The buffer of one (job, step); creating it may evict the oldest buffered job."""
+    def algorithm_for(self, allreduce_bytes: int | None) -> str:
+        """The algorithm of one collective: an allreduce of parts of ``allreduce_bytes``,
+        or an allgather (None)."""
+        sharded = (
+            self.algorithm == LEADER
+            and allreduce_bytes is not None
+            and allreduce_bytes >= self._min_shard_bytes * len(self.ranks)
+        )
+        return SHARDED if sharded else self.algorithm
+
+    def parts(self, job: str, step: int, phase: Phase = "part") -> StepParts:
+        """The buffer of one (job, step, phase); creating a job's first buffer may evict
+        the oldest buffered job."""
         steps = self._pending.get(job)
         if steps is None:
             steps = self._pending[job] = {}
             self._evict()
-        return steps.setdefault(step, {})
+        return steps.setdefault((step, phase), {})
 
     def _evict(self) -> None:
         active = self._active.job if self._active is not None else None
@@ -212,7 +255,7 @@ class JobCollective:
         self._cancel_reason = reason
         self.changed.set()
 
-    def _part(self, step: int, array: np.ndarray) -> CollectivePart:
+    def _part(self, step: int, array: np.ndarray, phase: Phase = "part") -> CollectivePart:
         # Made from our own array: no validation needed (from_numpy checks the dtype).
         return CollectivePart.model_construct(
             job=self.job,
@@ -220,6 +263,7 @@ class JobCollective:
             step=step,
             rank=self._hub.rank,
             tensor=Tensor.from_numpy(array),
+            phase=phase,
         )
 
     async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
@@ -238,6 +282,7 @@ class JobCollective:
     async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
         """``combine`` of every rank's part, in rank order, identical bits on every rank."""
         hub = self._hub
+        hub.runs[hub.algorithm] += 1
         if hub.algorithm == FANOUT:
             return combine(await self.gather(step, array))
         started = time.perf_counter()
@@ -254,6 +299,34 @@ class JobCollective:
             return combined
         finally:
             self.wait_ms += (time.perf_counter() - started) * 1000
+
+    async def allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
+        """The sum of every rank's part, added in rank order: the same bits on every rank
+        whichever algorithm runs (the same additions in the same order)."""
+        if self._hub.algorithm_for(array.nbytes) != SHARDED:
+            return await self.allcombine(step, array, sum_in_rank_order)
+        self._hub.runs[SHARDED] += 1
+        started = time.perf_counter()
+        try:
+            return await self._sharded_allreduce(step, array)
+        finally:
+            self.wait_ms += (time.perf_counter() - started) * 1000
+
+    async def _sharded_allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
+        hub = self._hub
+        shards = np.array_split(np.ascontiguousarray(array).reshape(-1), len(hub.ranks))
+        for index, rank in enumerate(hub.ranks):
+            if rank != hub.rank:
+                await hub.send_to(rank, self._part(step, shards[index], "shard"))
+        held = hub.parts(self.job, step, "shard")
+        held[hub.rank] = shards[hub.ranks.index(hub.rank)]
+        await self._wait_for(step, held, hub.ranks)
+        mine = sum_in_rank_order([held[r] for r in hub.ranks])
+        await hub.publish(self._part(step, mine, "reduced"))
+        summed = hub.parts(self.job, step, "reduced")
+        summed[hub.rank] = mine
+        await self._wait_for(step, summed, hub.ranks)
+        return np.concatenate([summed[r] for r in hub.ranks]).reshape(array.shape)
 
     async def _wait_for(self, step: int, parts: StepParts, ranks: tuple[int, ...]) -> None:
         while True:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from shardserve.collective import sum_in_rank_order
 from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
 from shardserve.tensors import BF16_DTYPE
 
@@ -102,8 +103,13 @@ def _shifted(op: AllGatherOp | AllReduceOp, stacked: int) -> AllGatherOp | AllRe
 async def _combined(
     collective: Collective, step: int, op: AllGatherOp | AllReduceOp, array: np.ndarray
 ) -> np.ndarray:
-    """The collective's result: by ``allcombine`` where the collective has it (it may
-    combine on one rank and share the result), else every part gathered and combined."""
+    """The collective's result: by ``allreduce``/``allcombine`` where the collective has
+    them (it may combine on one rank, or each rank a shard, and share the result), else
+    every part gathered and combined."""
+    allreduce = getattr(collective, "allreduce", None)
+    if isinstance(op, AllReduceOp) and allreduce is not None:
+        reduced: np.ndarray = await allreduce(step, array)
+        return reduced
     allcombine = getattr(collective, "allcombine", None)
     if allcombine is not None:
         result: np.ndarray = await allcombine(step, array, lambda parts: combine(op, parts))
@@ -115,10 +121,7 @@ def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarra
     """Concatenate (allgather) or sum in rank order (allreduce): identical bits on every rank."""
     if isinstance(op, AllGatherOp):
         return np.concatenate(parts, axis=op.axis)
-    total = parts[0].copy()
-    for part in parts[1:]:
-        total += part
-    return total
+    return sum_in_rank_order(parts)
 
 
 # A segment whose last run took less than this runs inline on the event loop next time:

@@ -179,7 +179,12 @@ class StageResult(_Message):
 
 
 class CollectivePart(_Message):
-    """One rank's contribution to collective ``step`` of a job's stage."""
+    """One rank's contribution to collective ``step`` of a job's stage.
+
+    ``phase`` tells the messages of one step apart where an algorithm has several: a
+    whole part (or a leader's combined result), or, in a sharded allreduce, one shard of
+    the sender's part (sent to the rank that sums it) and a summed shard (to every rank).
+    """
 
     kind: Literal["coll.part"] = "coll.part"
     job: str
@@ -187,6 +192,7 @@ class CollectivePart(_Message):
     step: int
     rank: int
     tensor: Tensor
+    phase: Literal["part", "shard", "reduced"] = "part"
 
 
 # ---------------------------------------------------------------- control plane

@@ -41,7 +41,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError, ChannelClosed
 
 from shardserve.broker import Broker
-from shardserve.collective import CollectiveHub
+from shardserve.collective import MIN_SHARD_BYTES, CollectiveHub
 from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
 from shardserve.program import Env
@@ -101,7 +101,13 @@ class RunMesh:
     """One rank's connection to the other ranks of its run."""
 
     def __init__(
-        self, broker_settings: BrokerSettings, run: str, group: GroupConfig, rank: int
+        self,
+        broker_settings: BrokerSettings,
+        run: str,
+        group: GroupConfig,
+        rank: int,
+        *,
+        min_shard_bytes: int = MIN_SHARD_BYTES,  # (benchmarks compare algorithms)
     ) -> None:
         self.run = run
         self.group = group
@@ -115,6 +121,7 @@ class RunMesh:
             stage_ranks=self.stage.ranks,
             publish=self._part,
             send_to=self._send_part,
+            min_shard_bytes=min_shard_bytes,
         )
         self._seen: set[int] = {rank}
         self._inputs: dict[str, StageWork] = {}
