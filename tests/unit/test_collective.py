@@ -1,15 +1,19 @@
-"""Collective buffering over a fake publisher: early parts, rank order, deadline, cancel."""
+"""Collective buffering over a fake publisher: early parts, rank order, deadline, cancel;
+the algorithms over an in-process transport, and a stage's final collectives."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pytest
 
 from shardserve.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import DeadlineError
+from shardserve.program import final_collectives, run_stage
 from shardserve.protocol import CollectivePart
+from shardserve.repository import AllGatherOp, AllReduceOp, RunOp, StageSpec
 from shardserve.tensors import Tensor
 
 
@@ -326,3 +330,161 @@ class _Outbox:
 
     async def __call__(self, rank: int, part: CollectivePart) -> None:
         self.sent.append((rank, part))
+
+
+# ----------------------------------------------------------------- final collectives at the leader
+
+
+async def _to_leader(
+    stage: Stage, job: str, arrays: dict[int, np.ndarray], *, reduce: bool
+) -> dict[int, np.ndarray | None]:
+    def join(parts: list[np.ndarray]) -> np.ndarray:
+        return summed_in_rank_order(dict(enumerate(parts))) if reduce else np.concatenate(parts)
+
+    async def one(rank: int) -> np.ndarray | None:
+        collective = stage.hubs[rank].begin(job, deadline=float("inf"))
+        return await collective.to_leader(0, arrays[rank], join, reduce=reduce)
+
+    results = await asyncio.gather(*(one(r) for r in stage.hubs))
+    return dict(zip(stage.hubs, results, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("min_shard_bytes", "reduce", "algorithm", "deliveries"),
+    [
+        (2**40, False, "to-leader", 7),  # an allgather: 7 parts to the leader, no multicast
+        (2**40, True, "to-leader", 7),  # a small allreduce: the same
+        (0, True, "sharded-to-leader", 8 * 7 + 7),  # shards to their owners, sums to the leader
+    ],
+)
+async def test_final_collectives_combine_at_the_leader_alone(
+    min_shard_bytes: int, reduce: bool, algorithm: str, deliveries: int
+) -> None:
+    """The leader gets what allcombine/allreduce give every rank, bit for bit; the other
+    ranks send their part and get nothing back."""
+    ranks = tuple(range(8))
+    rng = np.random.default_rng(11)
+    arrays = {r: rng.standard_normal((3, 5)).astype(np.float32) for r in ranks}
+    stage = Stage(ranks, point_to_point=True, min_shard_bytes=min_shard_bytes)
+    got = await _to_leader(stage, "job-f", arrays, reduce=reduce)
+    ordered = [arrays[r] for r in ranks]
+    expected = summed_in_rank_order(arrays) if reduce else np.concatenate(ordered)
+    leader_result = got[0]
+    assert leader_result is not None and leader_result.tobytes() == expected.tobytes()
+    assert all(got[r] is None for r in ranks[1:])
+    assert stage.deliveries == deliveries
+    assert all(stage.hubs[r].runs == {algorithm: 1} for r in ranks)
+
+
+async def test_without_point_to_point_sends_every_rank_still_gets_the_result() -> None:
+    ranks = (0, 1, 2)
+    arrays = {r: np.full(4, float(r), dtype=np.float32) for r in ranks}
+    got = await _to_leader(Stage(ranks, point_to_point=False), "job-g", arrays, reduce=False)
+    for result in got.values():
+        assert result is not None and result.tolist() == [0.0] * 4 + [1.0] * 4 + [2.0] * 4
+
+
+async def test_a_leader_missing_a_final_part_names_the_rank_at_the_deadline() -> None:
+    hub, wire, clock = make_hub(rank=0, ranks=(0, 1, 2), send_to=_Outbox())
+    hub.accept(part("j", 0, 2, 2.0))
+    collective = hub.begin("j", deadline=clock.now + 5)
+    task = asyncio.ensure_future(collective.to_leader(0, own(0.0), np.concatenate, reduce=False))
+    await asyncio.sleep(0)
+    clock.now += 10
+    collective.changed.set()
+    with pytest.raises(DeadlineError, match="rank\\(s\\) 1"):
+        await task
+    assert wire.sent == []  # the leader multicasts nothing
+
+
+def _stage_spec(program: tuple[object, ...], outputs: tuple[str, ...] = ("y",)) -> StageSpec:
+    return StageSpec(index=0, ranks=(0, 1, 2), inputs=("x",), outputs=outputs, program=program)  # type: ignore[arg-type]
+
+
+RUN = RunOp(file="seg.onnx")
+
+
+@pytest.mark.parametrize(
+    ("program", "outputs", "finals"),
+    [
+        ((RUN, AllGatherOp(input="p", output="y", axis=1)), ("y",), {1}),
+        ((RUN, AllReduceOp(input="p", output="y")), ("y",), {1}),
+        # two trailing collectives: only the one whose result is the stage output
+        (
+            (RUN, AllReduceOp(input="p", output="q"), AllGatherOp(input="q", output="y", axis=0)),
+            ("y",),
+            {2},
+        ),
+        (
+            (
+                RUN,
+                AllGatherOp(input="p", output="y", axis=0),
+                AllGatherOp(input="p", output="z", axis=1),
+            ),
+            ("y", "z"),
+            {1, 2},
+        ),
+        # a segment runs after the collective: every rank needs its result
+        ((AllGatherOp(input="x", output="g", axis=0), RUN), ("y",), set()),
+        # a stage output read by a later collective is needed on every rank
+        (
+            (
+                RUN,
+                AllGatherOp(input="p", output="q", axis=0),
+                AllGatherOp(input="q", output="y", axis=0),
+            ),
+            ("q", "y"),
+            set(),
+        ),
+        # one output from a segment: a rank would hold some outputs, not none
+        ((RUN, AllGatherOp(input="p", output="y", axis=0)), ("y", "p"), set()),
+        ((RUN,), ("y",), set()),
+    ],
+)
+def test_final_collectives_are_those_whose_results_are_only_stage_outputs(
+    program: tuple[object, ...], outputs: tuple[str, ...], finals: set[int]
+) -> None:
+    assert final_collectives(_stage_spec(program, outputs)) == finals
+
+
+class _Scale:
+    """A segment: p = x * factor (one per rank, so the parts differ)."""
+
+    input_names = ("x",)
+
+    def __init__(self, factor: float) -> None:
+        self._factor = factor
+
+    async def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {"p": feeds["x"] * self._factor}
+
+    async def run_each(
+        self, feed_list: Sequence[Mapping[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]]:
+        return [await self.run(feeds) for feeds in feed_list]
+
+
+@pytest.mark.parametrize("outputs_at_leader", [True, False])
+async def test_a_stage_ending_in_an_allgather_has_outputs_at_the_leader_only(
+    outputs_at_leader: bool,
+) -> None:
+    spec = _stage_spec((RUN, AllGatherOp(input="p", output="y", axis=1)))
+    stage = Stage((0, 1, 2), point_to_point=True)
+    x = np.arange(4, dtype=np.float32).reshape(2, 2)
+
+    async def rank(r: int) -> dict[str, np.ndarray]:
+        collective = stage.hubs[r].begin("job-r", deadline=float("inf"))
+        runners = {"seg.onnx": _Scale(r + 1.0)}
+        return await run_stage(
+            spec, runners, {"x": x}, collective, outputs_at_leader=outputs_at_leader
+        )
+
+    results = await asyncio.gather(*(rank(r) for r in (0, 1, 2)))
+    expected = np.concatenate([x, 2 * x, 3 * x], axis=1)
+    assert results[0]["y"].tobytes() == expected.tobytes()
+    for other in results[1:]:
+        if outputs_at_leader:
+            assert other == {}
+        else:
+            assert other["y"].tobytes() == expected.tobytes()
+    assert stage.deliveries == (2 if outputs_at_leader else 2 + 3)

@@ -27,6 +27,16 @@ Three algorithms, chosen per collective by ``CollectiveHub.algorithm_for``:
   sums run side by side instead of all on the leader. Every element is summed by one
   rank, in rank order, as the leader does: the same bits.
 
+A stage's final collectives (whose results are only stage outputs, see
+``program.final_collectives``) need their result at the leader alone: it is the only
+rank that sends outputs (the others send a digest, which for such results would only
+re-check the transit of bytes the leader sent or also received). There the leader
+algorithm stops before its multicast (**to-leader**: R-1 deliveries, one hop; also at
+2 ranks, where fanout makes 2) and the sharded one sends the summed shards to the
+leader only (**sharded-to-leader**: (R-1)*R + R-1 deliveries); the other ranks send
+their part and are done, with no outputs (``StageResult.outputs_at_leader``). Without
+point-to-point sends every rank still gathers. The leader's bits are the same.
+
 Rule: fanout under 3 ranks (or when the transport cannot send to one rank); from 3
 ranks, sharded for an allreduce whose shards would be at least ``MIN_SHARD_BYTES``
 (parts of R times that), leader for everything else. Every delivery has a fixed cost (a
@@ -65,6 +75,8 @@ PartPublisher = Callable[[CollectivePart], Awaitable[None]]
 PartSender = Callable[[int, CollectivePart], Awaitable[None]]  # (to rank, part)
 Combine = Callable[[list[np.ndarray]], np.ndarray]
 FANOUT, LEADER, SHARDED = "fanout", "leader", "sharded"
+# The final collectives of a stage, combined at the leader only (``JobCollective.to_leader``)
+TO_LEADER, SHARDED_TO_LEADER = "to-leader", "sharded-to-leader"
 LEADER_MIN_RANKS = 3
 MIN_SHARD_BYTES = 1024 * 1024  # allreduce parts of R times this or more are sharded
 Phase = Literal["part", "shard", "reduced"]
@@ -168,6 +180,11 @@ class CollectiveHub:
         self.parts(part.job, part.step, part.phase).setdefault(part.rank, array)
         if self._active is not None and self._active.job == part.job:
             self._active.changed.set()
+
+    @property
+    def point_to_point(self) -> bool:
+        """Whether parts can go to one rank (else only to the whole stage)."""
+        return self._send_to is not None
 
     def algorithm_for(self, allreduce_bytes: int | None) -> str:
         """The algorithm of one collective: an allreduce of parts of ``allreduce_bytes``,
@@ -300,6 +317,40 @@ class JobCollective:
         finally:
             self.wait_ms += (time.perf_counter() - started) * 1000
 
+    async def to_leader(
+        self, step: int, array: np.ndarray, combine: Combine, *, reduce: bool
+    ) -> np.ndarray | None:
+        """``combine`` of every rank's part at the stage leader only; None on the other
+        ranks, which send their part and go on (see ``program.final_collectives``). The
+        leader's bits are those every rank would get from ``allcombine``/``allreduce``:
+        the same parts combined in the same order. From 2 ranks up (at 2, fanout would
+        deliver 2 parts, this 1); ranks without point-to-point sends gather everywhere."""
+        hub = self._hub
+        if not hub.point_to_point:
+            return await self.allcombine(step, array, combine)
+        if reduce and hub.algorithm_for(array.nbytes) == SHARDED:
+            algorithm, run = SHARDED_TO_LEADER, self._sharded_reduce(step, array, to_leader=True)
+        else:
+            algorithm, run = TO_LEADER, self._parts_to_leader(step, array, combine)
+        hub.runs[algorithm] += 1
+        started = time.perf_counter()
+        try:
+            return await run
+        finally:
+            self.wait_ms += (time.perf_counter() - started) * 1000
+
+    async def _parts_to_leader(
+        self, step: int, array: np.ndarray, combine: Combine
+    ) -> np.ndarray | None:
+        hub = self._hub
+        if hub.rank != hub.leader:
+            await hub.send_to(hub.leader, self._part(step, array))
+            return None
+        parts = hub.parts(self.job, step)
+        parts[hub.rank] = array
+        await self._wait_for(step, parts, hub.ranks)
+        return combine([parts[r] for r in hub.ranks])
+
     async def allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
         """The sum of every rank's part, added in rank order: the same bits on every rank
         whichever algorithm runs (the same additions in the same order)."""
@@ -308,11 +359,17 @@ class JobCollective:
         self._hub.runs[SHARDED] += 1
         started = time.perf_counter()
         try:
-            return await self._sharded_allreduce(step, array)
+            reduced = await self._sharded_reduce(step, array, to_leader=False)
         finally:
             self.wait_ms += (time.perf_counter() - started) * 1000
+        assert reduced is not None  # every rank gets the result when not to_leader
+        return reduced
 
-    async def _sharded_allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
+    async def _sharded_reduce(
+        self, step: int, array: np.ndarray, *, to_leader: bool
+    ) -> np.ndarray | None:
+        """Reduce-scatter, then every summed shard to every rank (an allreduce) or to the
+        leader alone (None on the other ranks)."""
         hub = self._hub
         shards = np.array_split(np.ascontiguousarray(array).reshape(-1), len(hub.ranks))
         for index, rank in enumerate(hub.ranks):
@@ -322,7 +379,11 @@ class JobCollective:
         held[hub.rank] = shards[hub.ranks.index(hub.rank)]
         await self._wait_for(step, held, hub.ranks)
         mine = sum_in_rank_order([held[r] for r in hub.ranks])
-        await hub.publish(self._part(step, mine, "reduced"))
+        if not to_leader:
+            await hub.publish(self._part(step, mine, "reduced"))
+        elif hub.rank != hub.leader:
+            await hub.send_to(hub.leader, self._part(step, mine, "reduced"))
+            return None
         summed = hub.parts(self.job, step, "reduced")
         summed[hub.rank] = mine
         await self._wait_for(step, summed, hub.ranks)

@@ -13,6 +13,7 @@ import ctypes
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ async def run_stage(
     collective: Collective,
     *,
     stacked: int = 0,
+    outputs_at_leader: bool = False,
 ) -> Env:
     """Run ``stage.program`` from ``inputs``; return the stage's declared outputs.
 
@@ -61,10 +63,15 @@ async def run_stage(
     without a batch dimension, several requests in one job). Each segment runs once per
     instance, exactly as it would alone; each collective exchanges the stacked array in
     one part (an allgather's axis moves one place right), so a job of k instances costs
-    the ranks one message per collective instead of k."""
+    the ranks one message per collective instead of k.
+
+    ``outputs_at_leader``: the stage's final collectives (``final_collectives``) combine
+    at the stage leader only, where the collective can (``to_leader``); the other ranks
+    then return no outputs at all (an empty mapping)."""
     env: Env = dict(inputs)
+    finals = final_collectives(stage) if outputs_at_leader else frozenset()
     step = 0
-    for op in stage.program:
+    for index, op in enumerate(stage.program):
         if isinstance(op, RunOp):
             runner = runners[op.file]
             feeds = {name: env[name] for name in runner.input_names}
@@ -73,9 +80,44 @@ async def run_stage(
             else:
                 env.update(await runner.run(feeds))
             continue
-        env[op.output] = await _combined(collective, step, _shifted(op, stacked), env[op.input])
+        shifted = _shifted(op, stacked)
+        if index in finals and hasattr(collective, "to_leader"):
+            result = await _at_leader(collective, step, shifted, env[op.input])
+        else:
+            result = await _combined(collective, step, shifted, env[op.input])
+        if result is not None:
+            env[op.output] = result
         step += 1
-    return {name: env[name] for name in stage.outputs}
+    return {name: env[name] for name in stage.outputs if name in env}
+
+
+def final_collectives(stage: StageSpec) -> frozenset[int]:
+    """Program indices of the collectives whose result only the stage's leader needs:
+    those after the stage's last segment run whose output is a stage output that no later
+    collective reads. Empty unless every stage output comes from one of them, so a rank
+    holds either all of its stage's outputs or none."""
+    program = stage.program
+    last_run = max((i for i, op in enumerate(program) if isinstance(op, RunOp)), default=-1)
+    producer: dict[str, int] = {}
+    for index in range(last_run + 1, len(program)):
+        op = program[index]
+        assert not isinstance(op, RunOp)
+        read_later = {later.input for later in program[index + 1 :] if not isinstance(later, RunOp)}
+        if op.output in stage.outputs and op.output not in read_later:
+            producer[op.output] = index
+    if not stage.outputs or set(stage.outputs) != set(producer):
+        return frozenset()
+    return frozenset(producer.values())
+
+
+async def _at_leader(
+    collective: Collective, step: int, op: AllGatherOp | AllReduceOp, array: np.ndarray
+) -> np.ndarray | None:
+    """The collective's result at the leader; None on the ranks that only contribute."""
+    result: np.ndarray | None = await collective.to_leader(  # type: ignore[attr-defined]
+        step, array, partial(combine, op), reduce=isinstance(op, AllReduceOp)
+    )
+    return result
 
 
 async def _run_stacked(

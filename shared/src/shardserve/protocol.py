@@ -163,7 +163,11 @@ class StageWork(_Message):
 
 class StageResult(_Message):
     """One rank's outcome of a job's stage: the digest of its outputs, and (from the
-    stage's leader rank) the outputs themselves."""
+    stage's leader rank) the outputs themselves.
+
+    ``outputs_at_leader``: this rank holds none of the stage's outputs (no digest): its
+    stage ends in collectives that combine at the leader only, and its part is there.
+    """
 
     kind: Literal["stage.result"] = "stage.result"
     job: str
@@ -173,6 +177,7 @@ class StageResult(_Message):
     rank: int
     digest: str = ""
     outputs: TensorMap | None = None
+    outputs_at_leader: bool = False
     error: ErrorInfo | None = None
     compute_ms: float = 0.0
     collective_ms: float = 0.0

@@ -8,9 +8,11 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
+import pytest
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo
+from shardserve.repository import AllGatherOp, RunOp
 from shardserve.tensors import digest_tensors
 from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply
 from shardserve_scheduler.requests import RequestMachine
@@ -399,3 +401,46 @@ def test_a_stacked_output_without_the_stack_axis_is_an_internal_error(kit: Any) 
     reply = only_reply(m.on_result(kit.result(work, 0, group, value=1.0, shape=(3, 3)), 1.0))
     assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
     assert "expected the 2 stacked instances" in reply.reply.error.message
+
+
+def _gathered_at_leader(group: Any) -> Any:
+    """The same group, its stage ending in an allgather (a final collective)."""
+    program = (RunOp(file="seg.onnx"), AllGatherOp(input="y_part", output="y", axis=1))
+    stages = tuple(s.model_copy(update={"program": program}) for s in group.stages)
+    return group.model_copy(update={"stages": stages})
+
+
+def _holds_nothing(kit: Any, work: Any, rank: int, group: Any) -> Any:
+    return kit.result(work, rank, group).model_copy(
+        update={"digest": "", "outputs": None, "outputs_at_leader": True}
+    )
+
+
+def test_ranks_whose_outputs_are_combined_at_the_leader_send_none(kit: Any) -> None:
+    group = _gathered_at_leader(kit.group(rank_size=4))
+    m = machine()
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
+    actions = m.on_result(kit.result(work, 0, group), 1.0)
+    for rank in (1, 2, 3):
+        actions += m.on_result(_holds_nothing(kit, work, rank, group), 1.0)
+    reply = only_reply(actions)
+    assert reply.reply.error is None
+    np.testing.assert_array_equal(reply.reply.instances[0].outputs["y"].to_numpy(), np.ones((2, 3)))
+
+
+@pytest.mark.parametrize(("final_gather", "rank"), [(False, 2), (True, 0)])
+def test_a_rank_that_may_not_hold_nothing_fails_the_job(
+    kit: Any, final_gather: bool, rank: int
+) -> None:
+    """Only a non-leader of a stage that ends in collectives may send no outputs."""
+    group = kit.group(rank_size=4)
+    group = _gathered_at_leader(group) if final_gather else group
+    m = machine()
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
+    actions: list[Action] = []
+    for r in range(4):
+        honest = kit.result(work, r, group)
+        actions += m.on_result(_holds_nothing(kit, work, r, group) if r == rank else honest, 1.0)
+    reply = only_reply(actions)
+    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
+    assert reply.reply.error.message.startswith(f"rank {rank} sent no outputs of stage 0")

@@ -184,7 +184,12 @@ class StageWorker:
         try:
             inputs: Env = {name: work.inputs[name].to_numpy() for name in self._slice.stage.inputs}
             outputs = await run_stage(
-                self._slice.stage, self._slice.runners, inputs, collective, stacked=work.stacked
+                self._slice.stage,
+                self._slice.runners,
+                inputs,
+                collective,
+                stacked=work.stacked,
+                outputs_at_leader=True,
             )
             if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
                 tensors, digest = await asyncio.to_thread(_finished_tensors, outputs)
@@ -219,8 +224,9 @@ class StageWorker:
             version=work.version,
             stage=work.stage,
             rank=self._slice.rank,
-            digest=digest,
+            digest=digest if outputs else "",
             outputs=tensors if self._slice.is_leader else None,
+            outputs_at_leader=not outputs and bool(self._slice.stage.outputs),
             error=None,
             compute_ms=compute_ms,
             collective_ms=collective.wait_ms,

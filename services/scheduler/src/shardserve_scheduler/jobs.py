@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
+from shardserve.program import final_collectives
 from shardserve.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
 from shardserve.repository import GroupConfig
 from shardserve_scheduler.batching import Batcher, Member
@@ -152,10 +153,20 @@ def rank_error(job: Job, rank: int, error: ErrorInfo) -> tuple[ErrorCode, str]:
 
 
 def digest_disagreement(job: Job) -> str:
-    """'' if every rank of the stage reported the same digest, else who said what."""
+    """'' if every rank of the stage that holds its outputs reported the same digest, else
+    who said what. A rank may hold none (``outputs_at_leader``) only where the stage ends
+    in collectives combined at its leader (``final_collectives``), and never the leader."""
+    stage = job.group.stages[job.stage]
     by_digest: dict[str, list[int]] = {}
     for rank in sorted(job.results):
-        by_digest.setdefault(job.results[rank].digest, []).append(rank)
+        result = job.results[rank]
+        if not result.outputs_at_leader:
+            by_digest.setdefault(result.digest, []).append(rank)
+        elif rank == stage.ranks[0] or not final_collectives(stage):
+            return (
+                f"rank {rank} sent no outputs of stage {job.stage}, but the stage's outputs "
+                "are not combined at another rank"
+            )
     if len(by_digest) <= 1:
         return ""
     groups = sorted(by_digest.items(), key=lambda item: item[1][0])
