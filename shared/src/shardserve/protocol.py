@@ -2,7 +2,10 @@
 
 Every message body on the broker is one of these, msgpack-encoded by ``shardserve.codec``.
 The ``kind`` field is the discriminator; ``v`` is the schema version and must equal
-``SCHEMA_VERSION`` (a consumer dead-letters anything else).
+``SCHEMA_VERSION`` (a consumer dead-letters anything else). Fields are added with
+defaults from release to release (``StageResult.outputs_at_leader``,
+``CollectivePart.phase``) and unknown fields are refused, so the services of one mesh run
+one shardserve release: an older consumer dead-letters a newer message, never half-reads it.
 
 Flow of one request (see README, "Architecture"):
 
