@@ -29,13 +29,14 @@ Three algorithms, chosen per collective by ``CollectiveHub.algorithm_for``:
 
 A stage's final collectives (whose results are only stage outputs, see
 ``program.final_collectives``) need their result at the leader alone: it is the only
-rank that sends outputs (the others send a digest, which for such results would only
-re-check the transit of bytes the leader sent or also received). There the leader
-algorithm stops before its multicast (**to-leader**: R-1 deliveries, one hop; also at
-2 ranks, where fanout makes 2) and the sharded one sends the summed shards to the
-leader only (**sharded-to-leader**: (R-1)*R + R-1 deliveries); the other ranks send
-their part and are done, with no outputs (``StageResult.outputs_at_leader``). Without
-point-to-point sends every rank still gathers. The leader's bits are the same.
+rank that sends outputs (the others send a digest, which for such results would only re-
+check the transit of bytes the leader sent or also received). There the leader algorithm
+stops before its multicast (**to-leader**: R-1 deliveries, one hop; also at 2 ranks,
+where fanout makes 2) and the sharded one sends the summed shards to the leader only
+(**sharded-to-leader**: (R-1)*R + R-1 deliveries); the other ranks send their part and
+are done, with no outputs and no result to send (the leader's answers for them,
+``jobs.stage_answered`` in the scheduler). Without point-to-point sends every rank still
+gathers. The leader's bits are the same.
 
 Rule: fanout under 3 ranks (or when the transport cannot send to one rank); from 3
 ranks, sharded for an allreduce whose shards would be at least ``MIN_SHARD_BYTES``

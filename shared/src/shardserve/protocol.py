@@ -3,8 +3,8 @@
 Every message body on the broker is one of these, msgpack-encoded by ``shardserve.codec``.
 The ``kind`` field is the discriminator; ``v`` is the schema version and must equal
 ``SCHEMA_VERSION`` (a consumer dead-letters anything else). Fields are added with
-defaults from release to release (``StageResult.outputs_at_leader``,
-``CollectivePart.phase``) and unknown fields are refused, so the services of one mesh run
+defaults from release to release (``CollectivePart.phase``, ``StageWork.stacked``)
+and unknown fields are refused, so the services of one mesh run
 one shardserve release: an older consumer dead-letters a newer message, never half-reads it.
 
 Flow of one request (see README, "Architecture"):
@@ -168,8 +168,9 @@ class StageResult(_Message):
     """One rank's outcome of a job's stage: the digest of its outputs, and (from the
     stage's leader rank) the outputs themselves.
 
-    ``outputs_at_leader``: this rank holds none of the stage's outputs (no digest): its
-    stage ends in collectives that combine at the leader only, and its part is there.
+    Where a stage's outputs are combined at its leader (``program.final_collectives``)
+    the other ranks hold none and answer only with an error: the leader's result, made
+    from every rank's part, speaks for them.
     """
 
     kind: Literal["stage.result"] = "stage.result"
@@ -180,7 +181,6 @@ class StageResult(_Message):
     rank: int
     digest: str = ""
     outputs: TensorMap | None = None
-    outputs_at_leader: bool = False
     error: ErrorInfo | None = None
     compute_ms: float = 0.0
     collective_ms: float = 0.0

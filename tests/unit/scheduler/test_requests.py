@@ -8,7 +8,6 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-import pytest
 
 from shardserve.errors import ErrorCode
 from shardserve.protocol import ErrorInfo
@@ -410,37 +409,36 @@ def _gathered_at_leader(group: Any) -> Any:
     return group.model_copy(update={"stages": stages})
 
 
-def _holds_nothing(kit: Any, work: Any, rank: int, group: Any) -> Any:
-    return kit.result(work, rank, group).model_copy(
-        update={"digest": "", "outputs": None, "outputs_at_leader": True}
-    )
-
-
-def test_ranks_whose_outputs_are_combined_at_the_leader_send_none(kit: Any) -> None:
+def test_a_stage_whose_outputs_are_combined_at_the_leader_ends_with_its_result(
+    kit: Any,
+) -> None:
+    """The other ranks' parts are in the leader's result: they send nothing on success."""
     group = _gathered_at_leader(kit.group(rank_size=4))
     m = machine()
     (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
-    actions = m.on_result(kit.result(work, 0, group), 1.0)
-    for rank in (1, 2, 3):
-        actions += m.on_result(_holds_nothing(kit, work, rank, group), 1.0)
-    reply = only_reply(actions)
+    reply = only_reply(m.on_result(kit.result(work, 0, group), 1.0))
     assert reply.reply.error is None
     np.testing.assert_array_equal(reply.reply.instances[0].outputs["y"].to_numpy(), np.ones((2, 3)))
+    assert m.open_requests == 0 and not m.jobs
 
 
-@pytest.mark.parametrize(("final_gather", "rank"), [(False, 2), (True, 0)])
-def test_a_rank_that_may_not_hold_nothing_fails_the_job(
-    kit: Any, final_gather: bool, rank: int
-) -> None:
-    """Only a non-leader of a stage that ends in collectives may send no outputs."""
-    group = kit.group(rank_size=4)
-    group = _gathered_at_leader(group) if final_gather else group
+def test_an_error_of_a_rank_that_sends_no_result_still_fails_the_job(kit: Any) -> None:
+    group = _gathered_at_leader(kit.group(rank_size=4))
     m = machine()
     (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
-    actions: list[Action] = []
-    for r in range(4):
-        honest = kit.result(work, r, group)
-        actions += m.on_result(_holds_nothing(kit, work, r, group) if r == rank else honest, 1.0)
+    error = ErrorInfo(code=ErrorCode.INTERNAL, message="onnxruntime exploded")
+    actions = m.on_result(kit.result(work, 2, group, error=error), 0.5)
     reply = only_reply(actions)
-    assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
-    assert reply.reply.error.message.startswith(f"rank {rank} sent no outputs of stage 0")
+    assert reply.reply.error is not None
+    assert reply.reply.error.message == "rank 2 failed stage 0 of matmul v1: onnxruntime exploded"
+    assert of(Cancel, actions)
+
+
+def test_without_outputs_at_the_leader_its_result_alone_does_not_end_the_stage(
+    kit: Any,
+) -> None:
+    group = kit.group(rank_size=4)  # the stage ends in a segment run: every rank answers
+    m = machine()
+    (work,) = of(PublishStageWork, m.accept(kit.call(group, kit.request()), 0.0))
+    assert m.on_result(kit.result(work, 0, group), 1.0) == []
+    assert m.open_requests == 1

@@ -133,6 +133,8 @@ class StageWorker:
             return False
 
     async def _outcome(self, work: StageWork) -> StageResult | None:
+        """The result to send; None when there is none to send (a cancelled job, or a
+        non-leader whose stage outputs were combined at the leader)."""
         rank = self._slice.rank
         if self._hub.is_finished(work.job):
             _logger.info("job %s was cancelled before it started here; skipping", work.job)
@@ -217,6 +219,11 @@ class StageWorker:
             total_ms,
             collective.wait_ms,
         )
+        if not outputs and self._slice.stage.outputs:
+            # The stage's outputs were combined at the leader, from this rank's part among
+            # the others: the leader's result answers for this rank (the scheduler expects
+            # no other; only an error is sent).
+            return None
         # Built from values made here (not from the wire): no re-validation needed.
         return StageResult.model_construct(
             job=work.job,
@@ -224,9 +231,8 @@ class StageWorker:
             version=work.version,
             stage=work.stage,
             rank=self._slice.rank,
-            digest=digest if outputs else "",
+            digest=digest,
             outputs=tensors if self._slice.is_leader else None,
-            outputs_at_leader=not outputs and bool(self._slice.stage.outputs),
             error=None,
             compute_ms=compute_ms,
             collective_ms=collective.wait_ms,

@@ -1,7 +1,8 @@
 """A job's stage results: the next stage, the job's end, or its failure.
 
-Per job and stage, every rank of the stage must answer: all digests equal -> the next
-stage (inputs = the leader's outputs) or the job's end; a rank error or a digest
+Per job and stage, every rank of the stage must answer (the leader alone where the
+stage's outputs are combined there, ``jobs.stage_answered``): all digests equal -> the
+next stage (inputs = the leader's outputs) or the job's end; a rank error or a digest
 disagreement fails the job's instances (and cancels the job on its ranks).
 """
 

@@ -8,13 +8,14 @@ batched, or a chunk of an instance larger than the maximum batch size.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
 from shardserve.program import final_collectives
 from shardserve.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
-from shardserve.repository import GroupConfig
+from shardserve.repository import GroupConfig, StageSpec
 from shardserve_scheduler.batching import Batcher, Member
 from shardserve_scheduler.methods import Env, MethodPlan
 from shardserve_scheduler.timeline import Timeline
@@ -152,21 +153,28 @@ def rank_error(job: Job, rank: int, error: ErrorInfo) -> tuple[ErrorCode, str]:
     )
 
 
-def digest_disagreement(job: Job) -> str:
-    """'' if every rank of the stage that holds its outputs reported the same digest, else
-    who said what. A rank may hold none (``outputs_at_leader``) only where the stage ends
-    in collectives combined at its leader (``final_collectives``), and never the leader."""
+def stage_answered(job: Job) -> bool:
+    """Whether every rank the stage must hear from has answered: all of its ranks, or its
+    leader alone where the stage's outputs are combined at the leader (the other ranks'
+    parts are in the leader's result; they answer only with an error)."""
+    if len(job.results) == len(job.stage_ranks()):
+        return True
     stage = job.group.stages[job.stage]
+    return stage.ranks[0] in job.results and outputs_at_leader(stage)
+
+
+@functools.lru_cache(maxsize=1024)
+def outputs_at_leader(stage: StageSpec) -> bool:
+    """Whether the agents combine this stage's outputs at its leader alone."""
+    return bool(final_collectives(stage))
+
+
+def digest_disagreement(job: Job) -> str:
+    """'' if every rank of the stage that answered reported the same digest, else who
+    said what."""
     by_digest: dict[str, list[int]] = {}
     for rank in sorted(job.results):
-        result = job.results[rank]
-        if not result.outputs_at_leader:
-            by_digest.setdefault(result.digest, []).append(rank)
-        elif rank == stage.ranks[0] or not final_collectives(stage):
-            return (
-                f"rank {rank} sent no outputs of stage {job.stage}, but the stage's outputs "
-                "are not combined at another rank"
-            )
+        by_digest.setdefault(job.results[rank].digest, []).append(rank)
     if len(by_digest) <= 1:
         return ""
     groups = sorted(by_digest.items(), key=lambda item: item[1][0])

@@ -7,12 +7,14 @@ current event, at most k (0: the maximum batch size) per call. The model step ma
 jobs: one per instance (``with_batch_dim=False``, or ``max_batch_size`` 1), or batches
 of instances of several requests (see ``batching``).
 
-Per job and stage, every rank of the stage must answer: all digests equal -> the next
-stage (inputs = the leader's outputs) or the job's end; a rank error or a digest
-disagreement fails the job's instances. A lost rank fails every open instance of its
-group; the deadline and shutdown fail whole requests. Each instance has its own outcome
-(InstanceResult); when every instance failed with the same error the reply carries that
-one error instead, as MindSpore does. Every request gets exactly one Reply.
+Per job and stage, every rank of the stage must answer (only the leader, where the
+stage's outputs are combined at the leader: the others answer only with an error): all
+digests equal -> the next stage (inputs = the leader's outputs) or the job's end; a rank
+error or a digest disagreement fails the job's instances. A lost rank fails every open
+instance of its group; the deadline and shutdown fail whole requests. Each instance has
+its own outcome (InstanceResult); when every instance failed with the same error the
+reply carries that one error instead, as MindSpore does. Every request gets exactly one
+Reply.
 
 In-flight jobs are bounded per servable version (``max_inflight``); beyond, jobs wait in
 a FIFO of ``queue_factor * max_inflight`` (pieces being batched count as waiting);
@@ -42,6 +44,7 @@ from shardserve_scheduler.jobs import (
     RequestState,
     VersionStats,
     rank_error,
+    stage_answered,
 )
 from shardserve_scheduler.progress import Progress
 from shardserve_scheduler.pystages import Outcome
@@ -97,7 +100,7 @@ class RequestMachine(Progress):
         try:
             if result.error is not None:
                 actions = self._fail_job(job, *rank_error(job, result.rank, result.error), now)
-            elif len(job.results) < len(job.stage_ranks()):
+            elif not stage_answered(job):
                 return []
             else:
                 actions = self._stage_complete(job, now)
