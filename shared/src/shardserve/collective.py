@@ -62,7 +62,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -81,6 +81,7 @@ TO_LEADER, SHARDED_TO_LEADER = "to-leader", "sharded-to-leader"
 LEADER_MIN_RANKS = 3
 MIN_SHARD_BYTES = 1024 * 1024  # allreduce parts of R times this or more are sharded
 Phase = Literal["part", "shard", "reduced"]
+_T = TypeVar("_T")
 
 
 def choose_algorithm(ranks: int, point_to_point: bool) -> str:
@@ -300,23 +301,21 @@ class JobCollective:
     async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
         """``combine`` of every rank's part, in rank order, identical bits on every rank."""
         hub = self._hub
-        hub.runs[hub.algorithm] += 1
         if hub.algorithm == FANOUT:
+            hub.runs[FANOUT] += 1
             return combine(await self.gather(step, array))
-        started = time.perf_counter()
-        parts = hub.parts(self.job, step)
-        try:
-            if hub.rank != hub.leader:
-                await hub.send_to(hub.leader, self._part(step, array))
-                await self._wait_for(step, parts, (hub.leader,))
-                return parts[hub.leader]  # the leader's combined result
-            parts[hub.rank] = array
-            await self._wait_for(step, parts, hub.ranks)
-            combined = combine([parts[r] for r in hub.ranks])
-            await hub.publish(self._part(step, combined))
-            return combined
-        finally:
-            self.wait_ms += (time.perf_counter() - started) * 1000
+        return await self._timed(LEADER, self._leader_combine(step, array, combine))
+
+    async def _leader_combine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
+        """The parts combined at the leader, which multicasts the result to the others."""
+        hub = self._hub
+        combined = await self._parts_to_leader(step, array, combine)
+        if combined is None:  # not the leader: wait for its combined result
+            parts = hub.parts(self.job, step)
+            await self._wait_for(step, parts, (hub.leader,))
+            return parts[hub.leader]
+        await hub.publish(self._part(step, combined))
+        return combined
 
     async def to_leader(
         self, step: int, array: np.ndarray, combine: Combine, *, reduce: bool
@@ -330,19 +329,15 @@ class JobCollective:
         if not hub.point_to_point:
             return await self.allcombine(step, array, combine)
         if reduce and hub.algorithm_for(array.nbytes) == SHARDED:
-            algorithm, run = SHARDED_TO_LEADER, self._sharded_reduce(step, array, to_leader=True)
-        else:
-            algorithm, run = TO_LEADER, self._parts_to_leader(step, array, combine)
-        hub.runs[algorithm] += 1
-        started = time.perf_counter()
-        try:
-            return await run
-        finally:
-            self.wait_ms += (time.perf_counter() - started) * 1000
+            return await self._timed(
+                SHARDED_TO_LEADER, self._sharded_reduce(step, array, to_leader=True)
+            )
+        return await self._timed(TO_LEADER, self._parts_to_leader(step, array, combine))
 
     async def _parts_to_leader(
         self, step: int, array: np.ndarray, combine: Combine
     ) -> np.ndarray | None:
+        """Every part to the leader, which combines them; None on the other ranks."""
         hub = self._hub
         if hub.rank != hub.leader:
             await hub.send_to(hub.leader, self._part(step, array))
@@ -357,14 +352,18 @@ class JobCollective:
         whichever algorithm runs (the same additions in the same order)."""
         if self._hub.algorithm_for(array.nbytes) != SHARDED:
             return await self.allcombine(step, array, sum_in_rank_order)
-        self._hub.runs[SHARDED] += 1
-        started = time.perf_counter()
-        try:
-            reduced = await self._sharded_reduce(step, array, to_leader=False)
-        finally:
-            self.wait_ms += (time.perf_counter() - started) * 1000
+        reduced = await self._timed(SHARDED, self._sharded_reduce(step, array, to_leader=False))
         assert reduced is not None  # every rank gets the result when not to_leader
         return reduced
+
+    async def _timed(self, algorithm: str, run: Awaitable[_T]) -> _T:
+        """``run``, counted under ``algorithm`` and its wall time added to ``wait_ms``."""
+        self._hub.runs[algorithm] += 1
+        started = time.perf_counter()
+        try:
+            return await run
+        finally:
+            self.wait_ms += (time.perf_counter() - started) * 1000
 
     async def _sharded_reduce(
         self, step: int, array: np.ndarray, *, to_leader: bool

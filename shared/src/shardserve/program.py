@@ -13,7 +13,7 @@ import ctypes
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -91,11 +91,13 @@ async def run_stage(
     return {name: env[name] for name in stage.outputs if name in env}
 
 
+@lru_cache(maxsize=1024)
 def final_collectives(stage: StageSpec) -> frozenset[int]:
     """Program indices of the collectives whose result only the stage's leader needs:
     those after the stage's last segment run whose output is a stage output that no later
     collective reads. Empty unless every stage output comes from one of them, so a rank
-    holds either all of its stage's outputs or none."""
+    holds either all of its stage's outputs or none. Cached: the agents ask once per job,
+    the scheduler once per stage result, always of the same few stages."""
     program = stage.program
     last_run = max((i for i, op in enumerate(program) if isinstance(op, RunOp)), default=-1)
     producer: dict[str, int] = {}

@@ -8,14 +8,13 @@ batched, or a chunk of an instance larger than the maximum batch size.
 
 from __future__ import annotations
 
-import functools
 from collections import deque
 from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
 from shardserve.program import final_collectives
 from shardserve.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
-from shardserve.repository import GroupConfig, StageSpec
+from shardserve.repository import GroupConfig
 from shardserve_scheduler.batching import Batcher, Member
 from shardserve_scheduler.methods import Env, MethodPlan
 from shardserve_scheduler.timeline import Timeline
@@ -159,14 +158,8 @@ def stage_answered(job: Job) -> bool:
     parts are in the leader's result; they answer only with an error)."""
     if len(job.results) == len(job.stage_ranks()):
         return True
-    stage = job.group.stages[job.stage]
-    return stage.ranks[0] in job.results and outputs_at_leader(stage)
-
-
-@functools.lru_cache(maxsize=1024)
-def outputs_at_leader(stage: StageSpec) -> bool:
-    """Whether the agents combine this stage's outputs at its leader alone."""
-    return bool(final_collectives(stage))
+    leader_answered = job.group.leader_of(job.stage) in job.results
+    return leader_answered and bool(final_collectives(job.group.stages[job.stage]))
 
 
 def digest_disagreement(job: Job) -> str:
