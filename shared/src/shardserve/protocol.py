@@ -111,8 +111,9 @@ class InferRequestBundle(_Message):
     """Several InferRequests in one message (one publish, one confirm, one delivery).
 
     A gateway groups the requests that arrive while its previous publish is in flight
-    (group commit: no added delay when idle). Each request is admitted on its own, as if
-    it had come alone with the bundle's ``reply_to`` and its own ``correlation_id``. A
+    (group commit: no added delay when idle). Each request is admitted (or refused) on its
+    own, as if it had come alone with the bundle's ``reply_to`` and its own
+    ``correlation_id``; then the bundle's instances start together, sharing jobs. A
     sender of bundles says by that that it also understands InferReplyBundle on its
     ``reply_to``: the scheduler may then answer several requests in one message.
     """

@@ -193,7 +193,7 @@ def test_only_rows_of_the_same_trailing_shape_and_dtype_share_a_batch(kit: Any) 
     assert all(i.outputs is not None for i in reply.reply.instances)
 
 
-def test_a_scheduler_bug_while_admitting_fails_that_request_at_once(
+def test_a_scheduler_bug_forming_a_batch_fails_that_request_at_once(
     kit: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     group = batch_group(kit)
@@ -206,14 +206,42 @@ def test_a_scheduler_bug_while_admitting_fails_that_request_at_once(
     actions = m.accept(call(group, request("a", {"x": rows(1)})), 0.0)
     (reply,) = of(Reply, actions)
     assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
-    assert reply.reply.error.message == (
-        "scheduler error while admitting the request: ValueError: boom"
-    )
+    assert reply.reply.error.message == "scheduler error while forming a batch: ValueError: boom"
     assert m.open_requests == 0 and of(PublishStageWork, actions) == []
     monkeypatch.undo()
     (work,) = of(PublishStageWork, m.accept(call(group, request("b", {"x": rows(2)})), 0.0))
     (ok,) = of(Reply, answer(kit, m, work, group))
     assert ok.reply.error is None and ok.reply.instances[0].outputs is not None
+
+
+def test_a_bundle_admitted_then_settled_once_shares_one_job(kit: Any) -> None:
+    """The shell admits every request of a bundle, then settles: with the lane free, the
+    first request does not leave alone while the others wait for it to finish."""
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=0.0)
+    admitted = [m.admit(call(group, request(rid, {"x": rows(1)})), 0.0) for rid in "abc"]
+    assert admitted == [[], [], []]
+    (work,) = of(PublishStageWork, m.settle(0.0))
+    assert work.work.inputs["x"].shape == (3, 3)
+    replies = of(Reply, answer(kit, m, work, group))
+    assert sorted(r.reply.id for r in replies) == ["a", "b", "c"]
+    assert all(r.reply.error is None for r in replies)
+
+
+def test_a_bug_forming_a_bundles_batch_fails_each_of_its_requests_at_once(
+    kit: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=0.0)
+    monkeypatch.setattr(batching, "combine", lambda *_: 1 / 0)
+    for rid in "ab":
+        m.admit(call(group, request(rid, {"x": rows(1)})), 0.0)
+    replies = of(Reply, m.settle(0.0))
+    assert sorted(r.reply.id for r in replies) == ["a", "b"]
+    for r in replies:
+        assert r.reply.error is not None and r.reply.error.code == ErrorCode.INTERNAL
+        assert "while forming a batch: ZeroDivisionError" in r.reply.error.message
+    assert m.open_requests == 0
 
 
 def batch_of_a_and_b(kit: Any) -> tuple[RequestMachine, GroupConfig, PublishStageWork]:

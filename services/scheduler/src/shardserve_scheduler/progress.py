@@ -63,12 +63,13 @@ class Progress(JobOutcomes):
             instance.chunks = [None]
             self._queue_job(lane, [(member, inputs)], None, now)
             return []
+        actions: list[Action] = []
         if lane.stacking:
             instance.chunks = [None]
             piece = Piece(member, inputs, 1, now, batching.stack_key(inputs))
             for full in lane.batcher.add(piece):
-                self._batch_job(lane, full, now)
-            return []
+                actions += self._batch_job(lane, full, now)
+            return actions
         pieces = batching.chunk(inputs, lane.no_batch, rows, lane.batcher.limit)
         instance.chunks = [None] * len(pieces)
         for c, part in enumerate(pieces):
@@ -76,10 +77,26 @@ class Progress(JobOutcomes):
             part_rows = rows if len(pieces) == 1 else batching.rows_of(part, lane.no_batch)
             key = batching.batch_key(part, lane.no_batch)
             for full in lane.batcher.add(Piece(member, part, part_rows, now, key)):
-                self._batch_job(lane, full, now)
-        return []
+                actions += self._batch_job(lane, full, now)
+        return actions
 
-    def _batch_job(self, lane: Lane, pieces: list[Piece], now: float) -> None:
+    def _batch_job(self, lane: Lane, pieces: list[Piece], now: float) -> list[Action]:
+        """Queue one job for a batch that left the batcher. A bug forming it fails the
+        batch's instances at once (its pieces have left the batcher: nothing else would
+        answer them before their deadline); other batches of the event go on."""
+        try:
+            self._form_job(lane, pieces, now)
+            return []
+        except Exception as exc:
+            actions: list[Action] = []
+            for key, index, position in dict.fromkeys(alive_key(p.member) for p in pieces):
+                state = self._alive(key, index, position)
+                if state is not None:
+                    doing = "while forming a batch"
+                    actions += self._fail_instance_after_bug(state, index, doing, exc, now)
+            return actions
+
+    def _form_job(self, lane: Lane, pieces: list[Piece], now: float) -> None:
         live = [p for p in pieces if self._alive(*alive_key(p.member))]
         if not live:
             return
@@ -123,11 +140,12 @@ class Progress(JobOutcomes):
 
     def _settle(self, now: float) -> list[Action]:
         """After every event: flush due batches, start Python tasks, start queued jobs."""
+        actions: list[Action] = []
         for lane in self._lanes.values():
             if lane.batcher is not None and lane.hungry:
                 for pieces in lane.batcher.due(now):
-                    self._batch_job(lane, pieces, now)
-        actions = self._start_python()
+                    actions += self._batch_job(lane, pieces, now)
+        actions += self._start_python()
         for lane in self._lanes.values():
             actions += self._pump(lane, now)
         return actions

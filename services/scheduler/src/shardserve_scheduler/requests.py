@@ -58,7 +58,14 @@ class RequestMachine(Progress):
     # ------------------------------------------------------------------ events
 
     def accept(self, call: Call, now: float) -> list[Action]:
-        """Admit a resolved request: its instances start now, or it is refused."""
+        """Admit a resolved request (its instances start now, or it is refused), then
+        start what it made ready."""
+        return self._settled(self.admit(call, now), now)
+
+    def admit(self, call: Call, now: float) -> list[Action]:
+        """Admit a resolved request without starting queued work yet: the shell admits
+        every request of a bundle this way and then calls ``settle`` once, so that the
+        bundle's instances share jobs instead of the first leaving alone."""
         request = call.request
         stats = self.stats.setdefault(call.lane_key, VersionStats())
         stats.requests_total += 1
@@ -74,9 +81,13 @@ class RequestMachine(Progress):
         try:
             for index in range(len(instances)):
                 actions += self._advance(state, index, now)
-            return actions + self._settle(now)
+            return actions
         except Exception as exc:  # a scheduler bug: this request fails loudly, others go on
             return actions + self._fail_after_bug(state, exc, now)
+
+    def settle(self, now: float) -> list[Action]:
+        """Start what admitted requests made ready (due batches, Python tasks, jobs)."""
+        return self._settled([], now)
 
     def on_result(self, result: StageResult, now: float) -> list[Action]:
         """One rank's outcome of one stage of one job."""

@@ -236,19 +236,23 @@ class SchedulerService:
 
     async def _on_request(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         reply_to = incoming.reply_to
+        actions: list[Action] = []
         if isinstance(message, InferRequestBundle) and reply_to:
             self.sender.bundles_understood_by(reply_to)
             for item in message.requests:
-                self._admit_one(item.request, reply_to, item.correlation_id)
+                actions += self._admit_one(item.request, reply_to, item.correlation_id)
         elif isinstance(message, InferRequest) and reply_to:
-            self._admit_one(message, reply_to, incoming.correlation_id or message.id)
+            actions = self._admit_one(message, reply_to, incoming.correlation_id or message.id)
         else:
             await self._dead_letter_request(message, incoming)
+            return
+        # Settled once per message, after all its requests: a bundle's requests share jobs.
+        self._emit([*actions, *self.machine.settle(self.clock())])
 
-    def _admit_one(self, request: InferRequest, reply_to: str, correlation_id: str) -> None:
+    def _admit_one(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:
         token = request_id_var.set(request.id)
         try:
-            self._emit(self._admit_or_fail(request, reply_to, correlation_id))
+            return self._admit_or_fail(request, reply_to, correlation_id)
         finally:
             request_id_var.reset(token)
 
@@ -278,7 +282,7 @@ class SchedulerService:
             self.refused_requests += 1
             _logger.info("request refused (%s): %s", exc.code.value, exc.message)
             return [error_reply(request, reply_to, correlation_id, exc.code, exc.message)]
-        return self.machine.accept(call, self.clock())
+        return self.machine.admit(call, self.clock())
 
     async def _dead_letter_request(
         self, message: Message, incoming: AbstractIncomingMessage
