@@ -403,7 +403,8 @@ class JobCollective:
                     f"rank {self._hub.rank}: collective step {step} of job {self.job} reached "
                     f"the deadline without the part(s) of rank(s) {', '.join(map(str, missing))}"
                 )
-            try:
-                await asyncio.wait_for(self.changed.wait(), timeout=remaining)
+            try:  # (a timeout scope: wait_for would make a task of every wait)
+                async with asyncio.timeout(remaining):
+                    await self.changed.wait()
             except TimeoutError:
                 continue

@@ -363,7 +363,8 @@ class SchedulerService:
                 timeout = min(timeout, max(0.0, due - self.clock()))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # (no task per wait, as wait_for makes)
+                    await self._wake.wait()
             self._tick(self.clock())
 
     def _tick(self, now: float) -> None:
