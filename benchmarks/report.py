@@ -111,6 +111,7 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
     return [
         *floor_ratios(r),
         *others,
+        gateway_cost_ratio(r),
         Ratio(
             "mesh cost per broker hop / raw one-hop",
             _div(mesh_hop, raw_hop),
@@ -155,6 +156,33 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
         ),
         memory_ratio(r),
     ]
+
+
+def cpu_ms(results: dict[str, Any], key: str) -> float | None:
+    """The CPU ms per request of every measured process of one load point, summed (the
+    load generator's own left out)."""
+    entry = results.get(key)
+    cpu = entry.get("cpu_ms_per_request") if isinstance(entry, dict) else None
+    if not cpu:
+        return None
+    return float(sum(v for name, v in cpu.items() if name != "loadgen"))
+
+
+def gateway_cost_ratio(results: dict[str, Any]) -> Ratio:
+    """CPU per request of the gateway app with an in-process answer over a bare aiohttp
+    handler (``benchmarks.gateway_alone``), binary c32, beside the mesh's gateways."""
+    alone = cpu_ms(results, "gateway-alone.gateway.binary.c32")
+    bare = cpu_ms(results, "gateway-alone.bare.binary.c32")
+    entry = results.get("mesh1.binary.c32")
+    cpu = entry.get("cpu_ms_per_request", {}) if isinstance(entry, dict) else {}
+    in_mesh = sum(v for name, v in cpu.items() if name.startswith("gateway")) or None
+    return Ratio(
+        "gateway alone / bare aiohttp, CPU per request, binary c32",
+        _div(alone, bare),
+        "-",
+        f"gateway alone {fmt(alone)} ms, bare handler {fmt(bare)} ms, "
+        f"the mesh's gateways {fmt(in_mesh)} ms (rank 1)",
+    )
 
 
 def _ceiling(results: dict[str, Any], key: str, name: str, detail: str) -> Ratio:

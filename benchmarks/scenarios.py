@@ -259,6 +259,20 @@ def _floor(run: Run, prefix: str, json_lib: str) -> None:
         load_matrix(run, prefix, url, full_points(run), matmul_input(), pids)
 
 
+def gateway_alone(run: Run) -> None:
+    """The gateway with the broker replaced by an in-process answer, and a bare aiohttp
+    handler (``benchmarks.gateway_alone``): what the gateway's HTTP side costs alone."""
+    for variant in ("gateway", "bare"):
+        port = free_port()
+        args = ["--variant", variant, "--port", str(port)]
+        ready = f"http://127.0.0.1:{port}/v2/health/ready"
+        with running_module("benchmarks.gateway_alone", args, run.logs, ready, {}) as server:
+            url = f"http://127.0.0.1:{port}/v2/models/matmul/infer"
+            points = [("binary", 32), ("json", 32)]
+            pids = {variant: server.pid}
+            load_matrix(run, f"gateway-alone.{variant}", url, points, matmul_input(), pids)
+
+
 def broker(run: Run) -> None:
     """Raw request/reply over RabbitMQ (aio-pika) with the mesh's payload sizes."""
     queue = f"bench.hop.{free_port()}"
@@ -532,6 +546,7 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "floor-numeric": floor_numeric,
     "floor-stdlib": floor_stdlib,
     "broker": broker,
+    "gateway-alone": gateway_alone,
     "mesh1": mesh1,
     "tp8": tp8,
     "pp16": pp16,

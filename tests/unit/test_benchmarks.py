@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import floor_server  # noqa: E402
+from benchmarks import floor_server, gateway_alone  # noqa: E402
 from benchmarks.bodies import binary_body, json_body, make_body  # noqa: E402
 from benchmarks.ceilings import batching_ceiling, pipeline_ceiling  # noqa: E402
 from benchmarks.loadgen import LoadSpec, percentile, run_load, summarize  # noqa: E402
@@ -142,6 +142,35 @@ async def test_floor_server_answers_the_demo_model(
     np.testing.assert_allclose(outputs["y"], np.full((128, 16), -48.0, dtype=np.float32))
 
 
+@pytest.mark.parametrize("variant", gateway_alone.VARIANTS)
+async def test_gateway_alone_variants_answer_the_demo_body(variant: str) -> None:
+    body = make_body("binary", {"x": np.ones((128, 96), dtype=np.float32)})
+    async with TestClient(TestServer(gateway_alone.create_app(variant))) as client:
+        assert (await client.get("/v2/health/ready")).status == 200
+        response = await client.post(
+            "/v2/models/matmul/infer", data=body.data, headers=body.headers
+        )
+        assert response.status == 200
+        payload = await response.read()
+    if variant == "gateway":  # the real gateway's encoding of the in-process answer
+        header = response.headers.get("Inference-Header-Content-Length")
+        outputs = decode_response(payload, header)
+        np.testing.assert_array_equal(outputs["y"], np.full((128, 16), -48.0, np.float32))
+    else:
+        assert len(payload) > 128 * 16 * 4
+
+
+def test_gateway_cost_is_set_beside_the_bare_handler_and_the_mesh() -> None:
+    results = {
+        "gateway-alone.gateway.binary.c32": {"cpu_ms_per_request": {"gateway": 0.3, "loadgen": 1}},
+        "gateway-alone.bare.binary.c32": {"cpu_ms_per_request": {"bare": 0.1, "loadgen": 1.0}},
+        "mesh1.binary.c32": {"cpu_ms_per_request": {"gateway": 0.3, "gateway.1": 0.32}},
+    }
+    (ratio,) = [r for r in compute_ratios(results) if r.name.startswith("gateway alone")]
+    assert ratio.value == pytest.approx(3.0) and ratio.target == "-"
+    assert "0.3 ms" in ratio.detail and "0.1 ms" in ratio.detail and "0.62 ms" in ratio.detail
+
+
 def test_ratios_from_results() -> None:
     results = {
         "floor.json.c1": {"rps": 100.0, "p50_ms": 2.0, "requests": 10},
@@ -235,7 +264,7 @@ def test_write_json(tmp_path: Path) -> None:
 
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
-    expected |= {"pipeline", "floor-numeric"}
+    expected |= {"pipeline", "floor-numeric", "gateway-alone"}
     assert expected | {"memory", "large", "allreduce", "cache"} == set(SCENARIOS)
 
 
