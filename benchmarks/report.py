@@ -158,14 +158,13 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
     ]
 
 
-def cpu_ms(results: dict[str, Any], key: str) -> float | None:
-    """The CPU ms per request of every measured process of one load point, summed (the
-    load generator's own left out)."""
+def cpu_ms(results: dict[str, Any], key: str, prefix: str = "") -> float | None:
+    """The CPU ms per request of one load point's measured processes whose names start
+    with ``prefix``, summed (the load generator's own left out)."""
     entry = results.get(key)
     cpu = entry.get("cpu_ms_per_request") if isinstance(entry, dict) else None
-    if not cpu:
-        return None
-    return float(sum(v for name, v in cpu.items() if name != "loadgen"))
+    picked = [v for name, v in (cpu or {}).items() if name != "loadgen" and name.startswith(prefix)]
+    return float(sum(picked)) if picked else None
 
 
 def gateway_cost_ratio(results: dict[str, Any]) -> Ratio:
@@ -173,9 +172,7 @@ def gateway_cost_ratio(results: dict[str, Any]) -> Ratio:
     handler (``benchmarks.gateway_alone``), binary c32, beside the mesh's gateways."""
     alone = cpu_ms(results, "gateway-alone.gateway.binary.c32")
     bare = cpu_ms(results, "gateway-alone.bare.binary.c32")
-    entry = results.get("mesh1.binary.c32")
-    cpu = entry.get("cpu_ms_per_request", {}) if isinstance(entry, dict) else {}
-    in_mesh = sum(v for name, v in cpu.items() if name.startswith("gateway")) or None
+    in_mesh = cpu_ms(results, "mesh1.binary.c32", prefix="gateway")
     return Ratio(
         "gateway alone / bare aiohttp, CPU per request, binary c32",
         _div(alone, bare),
