@@ -23,6 +23,7 @@ import sys
 import numpy as np
 from aiohttp import web
 
+from benchmarks import floor_server
 from shardserve.eventloop import configured_loop_factory
 from shardserve.heap import keep_freed_memory
 from shardserve.protocol import (
@@ -92,11 +93,8 @@ def bare_app() -> web.Application:
         await request.read()
         return web.Response(body=answer, content_type="application/octet-stream")
 
-    async def ready(request: web.Request) -> web.Response:
-        return web.Response(body=b'{"ready":true}', content_type="application/json")
-
     app = web.Application(client_max_size=256 * 1024 * 1024)
-    app.router.add_get("/v2/health/ready", ready)
+    app.router.add_get("/v2/health/ready", floor_server.ready)
     app.router.add_post("/v2/models/matmul/infer", infer)
     return app
 
@@ -107,16 +105,6 @@ def create_app(variant: str) -> web.Application:
     return gateway_app() if variant == "gateway" else bare_app()
 
 
-async def serve(app: web.Application, host: str, port: int) -> None:
-    runner = web.AppRunner(app, access_log=None, auto_decompress=False)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-        await asyncio.Event().wait()  # until the process is stopped
-    finally:
-        await runner.cleanup()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gateway_alone")
     parser.add_argument("--variant", choices=VARIANTS, default="gateway")
@@ -125,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     keep_freed_memory()
     loop = (configured_loop_factory() or asyncio.new_event_loop)()
-    try:
-        loop.run_until_complete(serve(create_app(args.variant), args.host, args.port))
-    except KeyboardInterrupt:
-        pass
-    finally:
-        loop.close()
+    app = create_app(args.variant)
+    # As the gateway's runner: no access log, bodies not decompressed.
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, loop=loop,
+        access_log=None, auto_decompress=False,
+    )  # fmt: skip
     return 0
 
 
