@@ -124,21 +124,3 @@ async def _until(condition: Any, within_s: float = 15.0) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "status never caught up"
         await asyncio.sleep(0.2)
-
-
-async def test_tensors_above_the_chunk_size_travel_as_chunks(
-    mesh_factory: Any, export_repo: Any, tmp_path_factory: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With a 4 KiB message limit every message with a tensor is chunked (48 KiB input,
-    8 KiB partial sums and output), across 8 ranks whose allreduce goes through the
-    stage leader: the answer is still the unsliced model's."""
-    monkeypatch.setenv("SHARDSERVE_MAX_MESSAGE_BYTES", "4096")  # read by the mesh's children
-    repo = export_repo(
-        "matmul", tmp_path_factory.mktemp("repo"), "--rank-size", "8", "--strategy", "row"
-    )
-    mesh = mesh_factory(repo)
-    x = np.random.default_rng(11).standard_normal((128, 96)).astype(np.float32)
-    status, reply = await post(f"{mesh.http_url}/v2/models/matmul/infer", infer_body(x))
-    assert status == 200, (reply, mesh.log_tail())
-    assert np.max(np.abs(output_y(reply) - unsliced(x))) <= 1e-5
-    assert mesh.stop() == 0, mesh.log_tail()

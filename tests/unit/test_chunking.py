@@ -118,3 +118,25 @@ def test_the_chunk_size_comes_from_the_environment(monkeypatch: pytest.MonkeyPat
     finally:
         chunking.max_message_bytes.cache_clear()
     assert os.environ.get(chunking.MAX_MESSAGE_BYTES_ENV) is None
+
+
+@pytest.mark.parametrize("limit", [7, 1000, 4096, 20_000])
+def test_pieces_are_cut_exactly_as_their_joined_body(limit: int) -> None:
+    rng = random.Random(limit)
+    data = body(12_345, seed=limit)
+    cuts = sorted(rng.sample(range(1, len(data)), 9))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    from_pieces = list(chunking.split_pieces(pieces, limit))
+    whole = split(data, limit)
+    assert [part for part, _ in from_pieces] == [part for part, _ in whole]
+    assert [strip_id(h) for _, h in from_pieces] == [strip_id(h) for _, h in whole]
+    rs, _ = reassembler()
+    assert [rs.take(h, part) for part, h in from_pieces][-1] == data
+
+
+def test_pieces_that_fit_are_joined_into_one_body_without_headers() -> None:
+    assert list(chunking.split_pieces([b"ab", b"", b"cd"], 4)) == [(b"abcd", {})]
+
+
+def strip_id(headers: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in headers.items() if k != chunking.H_ID}

@@ -235,12 +235,15 @@ class Broker:
         reply_to: str | None = None,
         deadline: float | None = None,
         confirm: bool = False,
+        payload_bytes: int = 0,
     ) -> None:
-        """Encode and publish one message; ``confirm`` waits for the broker to take it."""
+        """Encode and publish one message; ``confirm`` waits for the broker to take it.
+        ``payload_bytes``: the tensor bytes it carries, if known (large ones are spliced
+        into the body uncopied: ``codec.encode_sized``)."""
         await self.publish_raw(
             exchange,
             routing_key,
-            codec.encode(message),
+            codec.encode_sized(message, payload_bytes),
             correlation_id=correlation_id,
             reply_to=reply_to,
             deadline=deadline,
@@ -252,7 +255,7 @@ class Broker:
         self,
         exchange: str,
         routing_key: str,
-        body: bytes,
+        body: bytes | list[bytes],
         *,
         correlation_id: str | None = None,
         reply_to: str | None = None,
@@ -260,7 +263,8 @@ class Broker:
         confirm: bool = False,
         message_type: str | None = None,
     ) -> None:
-        """Publish bytes as they are (already encoded)."""
+        """Publish bytes as they are (already encoded; or the pieces they are joined from,
+        ``codec.encode_pieces``)."""
         if not self.publishable:
             raise UnavailableError("message broker is unreachable")
         # Straight to the channel's aiormq layer with the properties built directly: an
@@ -278,7 +282,8 @@ class Broker:
             async with asyncio.timeout(self._settings.publish_timeout_s):
                 underlay = await channel.get_underlay_channel()
             # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.chunking).
-            for part, headers in chunking.split(body, chunking.max_message_bytes()):
+            pieces = [body] if isinstance(body, bytes) else body
+            for part, headers in chunking.split_pieces(pieces, chunking.max_message_bytes()):
                 properties = spec.Basic.Properties(
                     content_type=codec.CONTENT_TYPE,
                     headers=headers or None,

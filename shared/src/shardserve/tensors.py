@@ -163,6 +163,11 @@ def unpack_bytes_elements(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
 DIGEST_PREFIX = "xxh3:"
 
 
+def tensor_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """The data bytes of a tensor map (what its message carries beyond a few headers)."""
+    return sum(len(t.data) for t in tensors.values())
+
+
 def digest_tensors(tensors: Mapping[str, Tensor]) -> str:
     """Return a digest over names, dtypes, shapes and bytes, independent of dict order.
 

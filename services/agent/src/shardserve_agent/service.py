@@ -26,6 +26,7 @@ from shardserve.protocol import (
     SchedulerHello,
     StageResult,
 )
+from shardserve.tensors import tensor_bytes
 from shardserve.topology import (
     COLLECTIVE_EXCHANGE,
     agent_bindings,
@@ -81,19 +82,18 @@ class AgentService:
         self._accepted = False
 
     async def _publish_part(self, part: CollectivePart) -> None:
-        body = await codec.encode_off_loop(part, len(part.tensor.data))
+        body = codec.encode_sized(part, len(part.tensor.data))
         await self._broker.publish_raw(COLLECTIVE_EXCHANGE, self._key, body, message_type=part.kind)
 
     async def _send_part(self, rank: int, part: CollectivePart) -> None:
         """A part for one peer only (the stage leader), straight to its collective queue."""
         group = self.loaded.group
         queue = agent_collective_queue(group.servable, group.version, rank).name
-        body = await codec.encode_off_loop(part, len(part.tensor.data))
+        body = codec.encode_sized(part, len(part.tensor.data))
         await self._broker.publish_raw("", queue, body, message_type=part.kind)
 
     async def _publish_result(self, result_to: str, result: StageResult) -> None:
-        size = sum(len(t.data) for t in (result.outputs or {}).values())
-        body = await codec.encode_off_loop(result, size)
+        body = codec.encode_sized(result, tensor_bytes(result.outputs or {}))
         await self._broker.publish_raw("", result_to, body, message_type=result.kind)
 
     async def run(self, stop: asyncio.Event) -> None:

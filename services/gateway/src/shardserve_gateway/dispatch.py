@@ -55,11 +55,14 @@ from shardserve.protocol import (
     Message,
     RepositoryCommand,
 )
+from shardserve.tensors import tensor_bytes
 from shardserve_gateway.bundler import Outgoing, RequestBundler
 
 _logger = logging.getLogger(__name__)
 
 REPLY_PREFETCH = 256
+# A request carrying more tensor bytes than this goes in a message of its own, not bundled.
+ALONE_BYTES = 1024 * 1024
 MIN_TIMEOUT_S = 0.001
 SCHEDULER_RESTARTED = "scheduler restarted; request was in flight"
 BROKER_LOST = "broker connection lost; the reply to this request cannot arrive"
@@ -217,12 +220,12 @@ class AmqpDispatcher:
             raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _publish(self, request: InferRequest, correlation_id: str) -> None:
-        size = sum(len(t.data) for instance in request.instances for t in instance.values())
-        if size <= codec.OFF_LOOP_BYTES:
+        size = sum(tensor_bytes(instance) for instance in request.instances)
+        if size <= ALONE_BYTES:
             await self.bundler.send(request, correlation_id, size)
             return
-        # Packing tens of MB would stall every other request: in a thread, and alone.
-        body = await codec.encode_off_loop(request, size)
+        # Alone: its tensor data is spliced into the body uncopied, and cut in chunks.
+        body = codec.encode_sized(request, size)
         props = self._properties(request.deadline, correlation_id)
         try:
             await self._broker.publish_raw(

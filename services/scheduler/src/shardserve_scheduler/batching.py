@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardserve.protocol import TensorMap
-from shardserve.tensors import Tensor, digest_tensors
+from shardserve.tensors import Tensor, digest_tensors, tensor_bytes
 
 Member = tuple[str, int, int, int]  # (request key, instance index, chunk index, step position)
 
@@ -86,7 +86,7 @@ STACK_MAX_BYTES = 1024 * 1024  # tensor bytes of one instance, at most, to be st
 
 
 def stackable(inputs: TensorMap) -> bool:
-    return sum(len(t.data) for t in inputs.values()) <= STACK_MAX_BYTES
+    return tensor_bytes(inputs) <= STACK_MAX_BYTES
 
 
 def stack_key(inputs: TensorMap) -> str:

@@ -23,7 +23,8 @@ from shardserve import topology
 from shardserve.broker import Broker
 from shardserve.errors import InferenceError
 from shardserve.lifecycle import request_id_var
-from shardserve.protocol import BundledReply, InferReplyBundle, RegistrationVerdict
+from shardserve.protocol import BundledReply, InferReply, InferReplyBundle, RegistrationVerdict
+from shardserve.tensors import tensor_bytes
 from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, RunPython
 
 _logger = logging.getLogger(__name__)
@@ -44,6 +45,11 @@ class SendVerdict:
 
 
 Outgoing = Action | CancelConsumer | SendVerdict
+
+
+def _reply_bytes(reply: InferReply) -> int:
+    return sum(tensor_bytes(r.outputs) for r in reply.instances if r.outputs)
+
 
 # Reply queues remembered as bundle-capable; gateways come and go (each restart is a new
 # queue), so the oldest are forgotten past this many (they then get plain replies).
@@ -166,11 +172,19 @@ class ActionSender:
         if isinstance(action, PublishStageWork):
             work = action.work
             await broker.publish(
-                topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
+                topology.STAGE_EXCHANGE,
+                action.routing_key,
+                work,
+                deadline=work.deadline,
+                payload_bytes=tensor_bytes(work.inputs),
             )
         elif isinstance(action, Reply):
             await broker.publish(
-                "", action.reply_to, action.reply, correlation_id=action.correlation_id
+                "",
+                action.reply_to,
+                action.reply,
+                correlation_id=action.correlation_id,
+                payload_bytes=_reply_bytes(action.reply),
             )
         else:
             await broker.publish(topology.CONTROL_EXCHANGE, action.routing_key, action.cancel)
