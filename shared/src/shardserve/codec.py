@@ -47,7 +47,9 @@ def encode(message: BaseModel) -> bytes:
 # packed. msgpack writes every byte string this long as bin32 (0xc6, a 4-byte big-endian
 # length, the bytes), so the spliced pieces, joined, are exactly ``encode``'s bytes.
 SPLICE_MIN_BYTES = 1 << 16
-_BIN8_16, _BIN32 = b"\xc4\x10", b"\xc6"
+_BIN32 = b"\xc6"
+_TOKEN_BYTES = 12  # + a 4-byte index: a 16-byte marker, packed as bin8 (0xc4, 16)
+_PACKED_MARKER_HEAD = b"\xc4\x10"
 
 
 def encode_sized(message: BaseModel, payload_bytes: int) -> bytes | list[bytes]:
@@ -67,7 +69,7 @@ def encode_pieces(message: BaseModel) -> list[bytes]:
     cut into the message's chunks (``chunking.split_pieces``), its one copy.
     """
     spliced: list[bytes] = []
-    token = secrets.token_bytes(12)  # a marker no other packed byte string can match
+    token = secrets.token_bytes(_TOKEN_BYTES)  # no other packed byte string can match it
     packed = msgpack.packb(_swap_large(_to_plain(message), token, spliced), use_bin_type=True)
     if not spliced:
         return [packed]
@@ -82,11 +84,17 @@ def _splice(packed: bytes, token: bytes, spliced: list[bytes]) -> list[bytes]:
     pieces: list[bytes] = []
     start = 0
     for index, data in enumerate(spliced):
-        at = packed.index(_BIN8_16 + token + index.to_bytes(4, "big"), start)
+        packed_marker = _PACKED_MARKER_HEAD + _marker(token, index)
+        at = packed.index(packed_marker, start)
         pieces += [packed[start:at] + _BIN32 + len(data).to_bytes(4, "big"), data]
-        start = at + len(_BIN8_16) + 16
+        start = at + len(packed_marker)
     pieces.append(packed[start:])
     return pieces
+
+
+def _marker(token: bytes, index: int) -> bytes:
+    """What stands in the packed message for the byte string ``spliced[index]``."""
+    return token + index.to_bytes(4, "big")
 
 
 def _swap_large(value: Any, token: bytes, spliced: list[bytes]) -> Any:
@@ -96,7 +104,7 @@ def _swap_large(value: Any, token: bytes, spliced: list[bytes]) -> Any:
         if len(value) < SPLICE_MIN_BYTES:
             return value
         spliced.append(value)
-        return token + (len(spliced) - 1).to_bytes(4, "big")
+        return _marker(token, len(spliced) - 1)
     if isinstance(value, dict):
         return {k: _swap_large(v, token, spliced) for k, v in value.items()}
     if isinstance(value, list | tuple):
