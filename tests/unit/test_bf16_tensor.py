@@ -13,10 +13,11 @@ import pytest
 from onnx import TensorProto, helper
 from tritonclient.http import InferInput
 
+from shardserve.errors import BadInputError
 from shardserve.program import OrtSegment
 from shardserve.protocol import TensorSpec
 from shardserve.signature import check_tensor
-from shardserve.tensors import DATATYPE_TO_DTYPE, Tensor, digest_tensors
+from shardserve.tensors import DATATYPE_TO_DTYPE, Tensor, digest_tensors, is_bfloat16
 
 # All exactly representable in bfloat16, so truncating float32 (the wire rule) and
 # rounding to nearest (ml_dtypes) agree.
@@ -45,6 +46,14 @@ def test_wire_bytes_round_trip_to_numpy_and_back() -> None:
     assert array.astype(np.float32).reshape(-1).tolist()[:3] == [1.0, -2.5, 0.15625]
     assert Tensor.from_numpy(array).data == tensor.data
     assert DATATYPE_TO_DTYPE["BF16"] == tensor.dtype
+
+
+def test_bfloat16_is_told_from_other_two_byte_and_void_types() -> None:
+    assert is_bfloat16(np.dtype(ml_dtypes.bfloat16))
+    for other in (np.dtype("V2"), np.dtype(np.float16), np.dtype(np.uint16), np.dtype("<f4")):
+        assert not is_bfloat16(other), other
+    with pytest.raises(BadInputError, match="unsupported tensor dtype"):
+        Tensor.from_numpy(np.zeros(3, dtype="V2"))  # a plain void type is not BF16
 
 
 def test_wrong_byte_count_is_a_clear_error() -> None:

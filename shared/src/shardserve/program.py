@@ -21,7 +21,7 @@ import numpy as np
 
 from shardserve.collective import sum_in_rank_order
 from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
-from shardserve.tensors import BF16_DTYPE
+from shardserve.tensors import BF16_DTYPE, is_bfloat16
 
 Env = dict[str, np.ndarray]
 
@@ -198,7 +198,7 @@ class OrtSegment:
         # CPU time of this thread, so a busy machine preempting us does not count; a long
         # wall time on little CPU (onnxruntime's own threads working) still counts.
         wall, cpu = time.perf_counter(), time.thread_time()
-        if self._bf16_out or any(_is_bfloat16(a) for a in feeds.values()):
+        if self._bf16_out or any(is_bfloat16(a.dtype) for a in feeds.values()):
             values = _run_with_ort_values(self._session, self._output_names, feeds)
         else:
             values = self._session.run(self._output_names, dict(feeds))  # type: ignore[attr-defined]
@@ -242,10 +242,6 @@ class OrtSegment:
 _ONNX_BFLOAT16 = 16
 
 
-def _is_bfloat16(array: np.ndarray) -> bool:
-    return array.dtype.name == "bfloat16"
-
-
 def _run_with_ort_values(
     session: object, output_names: list[str], feeds: Mapping[str, np.ndarray]
 ) -> list[np.ndarray]:
@@ -271,7 +267,7 @@ def _to_numpy(value: Any) -> np.ndarray:
 
 def _ort_value(ort_value_type: Any, array: np.ndarray) -> object:
     array = np.ascontiguousarray(array)
-    if _is_bfloat16(array):
+    if is_bfloat16(array.dtype):
         bits = array.view(np.uint16)
         return ort_value_type.ortvalue_from_numpy_with_onnx_type(bits, _ONNX_BFLOAT16)
     return ort_value_type.ortvalue_from_numpy(array)
