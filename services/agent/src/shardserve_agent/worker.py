@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve.collective import CollectiveHub, JobCancelledError
+from shardserve.collective import CollectiveHub, JobCancelledError, JobCollective
 from shardserve.errors import ErrorCode, InferenceError, ShardserveError
 from shardserve.lifecycle import request_id_var
 from shardserve.program import Env, run_stage
@@ -40,6 +40,13 @@ OFF_LOOP_BYTES = 4 * 1024 * 1024
 def _finished_tensors(outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Tensor], str]:
     tensors = {name: Tensor.from_numpy(array) for name, array in outputs.items()}
     return tensors, digest_tensors(tensors)
+
+
+async def _finished(outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Tensor], str]:
+    """The outputs as wire tensors and their digest; in a thread when they are big."""
+    if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_finished_tensors, outputs)
+    return _finished_tensors(outputs)
 
 
 @dataclass(frozen=True)
@@ -180,19 +187,8 @@ class StageWorker:
         collective = self._hub.begin(work.job, work.deadline)
         started = time.perf_counter()
         try:
-            inputs: Env = {name: work.inputs[name].to_numpy() for name in self._slice.stage.inputs}
-            outputs = await run_stage(
-                self._slice.stage,
-                self._slice.runners,
-                inputs,
-                collective,
-                stacked=work.stacked,
-                outputs_at_leader=True,
-            )
-            if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
-                tensors, digest = await asyncio.to_thread(_finished_tensors, outputs)
-            else:
-                tensors, digest = _finished_tensors(outputs)
+            outputs = await self._computed(work, collective)
+            tensors, digest = await _finished(outputs)
         except JobCancelledError as exc:
             _logger.info("%s", exc)
             return None
@@ -204,22 +200,22 @@ class StageWorker:
             return self._error(work, ErrorCode.INTERNAL, _describe(self._slice.rank, exc))
         finally:
             self._hub.finish(work.job)
-        total_ms = (time.perf_counter() - started) * 1000
-        compute_ms = max(total_ms - collective.wait_ms, 0.0)
-        self.completed += 1
-        self.compute_ms_total += compute_ms
-        self.collective_ms_total += collective.wait_ms
-        _logger.debug(
-            "stage %d done in %.1f ms (%.1f ms waiting for peers)",
-            work.stage,
-            total_ms,
-            collective.wait_ms,
-        )
+        compute_ms = self._account(work, started, collective.wait_ms)
         if not outputs and self._slice.stage.outputs:
             # The stage's outputs were combined at the leader, from this rank's part among
             # the others: the leader's result answers for this rank (the scheduler expects
             # no other; only an error is sent).
             return None
+        return self._result(work, tensors, digest, compute_ms, collective.wait_ms)
+
+    def _result(
+        self,
+        work: StageWork,
+        tensors: dict[str, Tensor],
+        digest: str,
+        compute_ms: float,
+        collective_ms: float,
+    ) -> StageResult:
         # Built from values made here (not from the wire): no re-validation needed.
         return StageResult.model_construct(
             job=work.job,
@@ -231,8 +227,34 @@ class StageWorker:
             outputs=tensors if self._slice.is_leader else None,
             error=None,
             compute_ms=compute_ms,
-            collective_ms=collective.wait_ms,
+            collective_ms=collective_ms,
         )
+
+    async def _computed(self, work: StageWork, collective: JobCollective) -> Env:
+        """This rank's stage program run on the work's inputs (its peers in ``collective``)."""
+        stage = self._slice.stage
+        inputs: Env = {name: work.inputs[name].to_numpy() for name in stage.inputs}
+        return await run_stage(
+            stage,
+            self._slice.runners,
+            inputs,
+            collective,
+            stacked=work.stacked,
+            outputs_at_leader=True,
+        )
+
+    def _account(self, work: StageWork, started: float, wait_ms: float) -> float:
+        """Count a finished job in the heartbeat's totals; its compute ms (time not spent
+        waiting for peers)."""
+        total_ms = (time.perf_counter() - started) * 1000
+        compute_ms = max(total_ms - wait_ms, 0.0)
+        self.completed += 1
+        self.compute_ms_total += compute_ms
+        self.collective_ms_total += wait_ms
+        _logger.debug(
+            "stage %d done in %.1f ms (%.1f ms waiting for peers)", work.stage, total_ms, wait_ms
+        )
+        return compute_ms
 
     def _error(self, work: StageWork, code: ErrorCode, message: str) -> StageResult:
         return StageResult(
