@@ -107,6 +107,23 @@ def test_instances_of_several_requests_share_a_batch_flushed_by_delay(kit: Any) 
     assert (stats.batches_total, stats.batched_instances_total, stats.requests_total) == (1, 2, 2)
 
 
+def test_instances_being_batched_fill_the_queue_and_the_refusal_says_so(kit: Any) -> None:
+    group = batch_group(kit)
+    m = machine(max_batch_size=8, batch_delay=10.0, max_inflight=1, queue_factor=2)
+    for rid in "abc":  # 3 places: 1 in flight + 2 waiting, all held by the open batch
+        assert m.accept(call(group, request(rid, {"x": rows(1)})), 0.0) == []
+    (refused,) = of(Reply, m.accept(call(group, request("d", {"x": rows(1)})), 0.0))
+    error = refused.reply.error
+    assert error is not None and error.code == ErrorCode.OVERLOADED
+    assert error.message == (
+        "servable matmul is overloaded: 0 jobs in flight, 0 queued, 3 instance(s) being "
+        "batched (at most 1 in flight and 2 waiting: --max-inflight 1)"
+    )
+    (work,) = of(PublishStageWork, m.tick(10.0))  # the batch leaves: room again
+    assert work.work.requests == ("a", "b", "c")
+    assert m.accept(call(group, request("e", {"x": rows(1)})), 10.0) == []
+
+
 def test_a_full_batch_is_sent_at_once(kit: Any) -> None:
     group = batch_group(kit)
     m = machine(max_batch_size=4, batch_delay=10.0)

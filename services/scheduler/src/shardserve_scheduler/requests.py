@@ -41,6 +41,7 @@ from shardserve_scheduler.jobs import (
     Call,
     InstanceState,
     Job,
+    Lane,
     RequestState,
     VersionStats,
     rank_error,
@@ -263,14 +264,22 @@ class RequestMachine(Progress):
             if len(request.instances) > room:
                 self.counters.overloaded += 1
                 code = ErrorCode.OVERLOADED
-                message = (
-                    f"servable {request.servable} is overloaded: {len(lane.inflight)} jobs in "
-                    f"flight, {lane.waiting} queued"
-                )
+                message = self._overload_message(call, lane)
         if code is None:
             return None
         return error_reply(
             request, call.reply_to, call.correlation_id, code, message, version=call.group.version
+        )
+
+    def _overload_message(self, call: Call, lane: Lane) -> str:
+        # Instances being batched take a place each (each could end up a job of its own),
+        # so a batching servable can be full with few jobs: the message says which.
+        batching = len(lane.batcher) if lane.batcher is not None else 0
+        held = f", {batching} instance(s) being batched" if batching else ""
+        return (
+            f"servable {call.request.servable} is overloaded: {len(lane.inflight)} jobs in "
+            f"flight, {len(lane.queued)} queued{held} (at most {self.max_inflight} in flight "
+            f"and {self.max_queued} waiting: --max-inflight {self.max_inflight})"
         )
 
 
