@@ -9,9 +9,13 @@ from pydantic import BaseModel
 
 from shardserve import codec
 from shardserve.protocol import (
+    BundledReply,
+    BundledRequest,
     CollectivePart,
     InferReply,
+    InferReplyBundle,
     InferRequest,
+    InferRequestBundle,
     InstanceResult,
     StageWork,
 )
@@ -47,6 +51,12 @@ MESSAGES = {
         job="j", stage=0, step=0, rank=1, tensor=tensor(BIG), phase="shard"
     ),
 }
+MESSAGES["request bundle"] = InferRequestBundle(
+    requests=(BundledRequest(correlation_id="c", request=MESSAGES["request of two instances"]),)
+)
+MESSAGES["reply bundle"] = InferReplyBundle(
+    replies=(BundledReply(correlation_id="c", reply=MESSAGES["reply with outputs"]),)
+)
 
 
 @pytest.mark.parametrize("message", MESSAGES.values(), ids=MESSAGES.keys())
@@ -77,3 +87,24 @@ def test_a_marker_found_in_other_bytes_falls_back_to_plain_packing(
     message = work(BIG).model_copy(update={"inputs": {"big": tensor(BIG), "small": small}})
     monkeypatch.setattr(codec.secrets, "token_bytes", lambda n: clash[:n])
     assert codec.encode_pieces(message) == [codec.encode(message)]
+
+
+PAYLOADS = {
+    "one large tensor": BIG,
+    "large, small, large": 4 * BIG + 11,
+    "just below the size": BIG - 1,
+    "request of two instances": BIG + 5,
+    "reply with outputs": 2 * BIG,
+    "collective part": BIG,
+    "request bundle": BIG + 5,
+    "reply bundle": 2 * BIG,
+}
+
+
+@pytest.mark.parametrize("name", MESSAGES.keys())
+def test_a_message_knows_its_tensor_payload_and_is_spliced_by_it(name: str) -> None:
+    message = MESSAGES[name]
+    assert codec.tensor_payload(message) == PAYLOADS[name]
+    body = codec.encode_sized(message)
+    assert isinstance(body, list) == (PAYLOADS[name] >= BIG)
+    assert (b"".join(body) if isinstance(body, list) else body) == codec.encode(message)

@@ -235,15 +235,13 @@ class Broker:
         reply_to: str | None = None,
         deadline: float | None = None,
         confirm: bool = False,
-        payload_bytes: int = 0,
     ) -> None:
         """Encode and publish one message; ``confirm`` waits for the broker to take it.
-        ``payload_bytes``: the tensor bytes it carries, if known (large ones are spliced
-        into the body uncopied: ``codec.encode_sized``)."""
+        Large tensor data is spliced into the body uncopied (``codec.encode_sized``)."""
         await self.publish_raw(
             exchange,
             routing_key,
-            codec.encode_sized(message, payload_bytes),
+            codec.encode_sized(message),
             correlation_id=correlation_id,
             reply_to=reply_to,
             deadline=deadline,

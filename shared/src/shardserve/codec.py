@@ -16,7 +16,19 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from shardserve.errors import CodecError
-from shardserve.protocol import MESSAGE_ADAPTER, SCHEMA_VERSION, Message
+from shardserve.protocol import (
+    MESSAGE_ADAPTER,
+    SCHEMA_VERSION,
+    CollectivePart,
+    InferReply,
+    InferReplyBundle,
+    InferRequest,
+    InferRequestBundle,
+    Message,
+    StageResult,
+    StageWork,
+)
+from shardserve.tensors import tensor_bytes
 
 CONTENT_TYPE = "application/msgpack"
 
@@ -52,12 +64,35 @@ _TOKEN_BYTES = 12  # + a 4-byte index: a 16-byte marker, packed as bin8 (0xc4, 1
 _PACKED_MARKER_HEAD = b"\xc4\x10"
 
 
-def encode_sized(message: BaseModel, payload_bytes: int) -> bytes | list[bytes]:
-    """``encode``, or ``encode_pieces`` when the message carries ``payload_bytes`` of
-    tensor data worth splicing (a walk of the message costs the small ones more)."""
+def encode_sized(message: BaseModel, payload_bytes: int | None = None) -> bytes | list[bytes]:
+    """``encode``, or ``encode_pieces`` when the message carries ``payload_bytes`` (by
+    default its ``tensor_payload``) of tensor data worth splicing (a walk of the message
+    costs the small ones more)."""
+    if payload_bytes is None:
+        payload_bytes = tensor_payload(message)
     if payload_bytes >= SPLICE_MIN_BYTES:
         return encode_pieces(message)
     return encode(message)
+
+
+def tensor_payload(message: BaseModel) -> int:
+    """The tensor data bytes a wire message carries; 0 for messages without tensors."""
+    match message:
+        case InferRequest():
+            return sum(tensor_bytes(instance) for instance in message.instances)
+        case InferReply():
+            return sum(tensor_bytes(r.outputs) for r in message.instances if r.outputs)
+        case InferRequestBundle():
+            return sum(tensor_payload(item.request) for item in message.requests)
+        case InferReplyBundle():
+            return sum(tensor_payload(item.reply) for item in message.replies)
+        case StageWork():
+            return tensor_bytes(message.inputs)
+        case StageResult():
+            return tensor_bytes(message.outputs or {})
+        case CollectivePart():
+            return len(message.tensor.data)
+    return 0
 
 
 def encode_pieces(message: BaseModel) -> list[bytes]:

@@ -15,7 +15,6 @@ import uuid
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import codec
 from shardserve.broker import Broker
 from shardserve.collective import CollectiveHub
 from shardserve.protocol import (
@@ -26,7 +25,6 @@ from shardserve.protocol import (
     SchedulerHello,
     StageResult,
 )
-from shardserve.tensors import tensor_bytes
 from shardserve.topology import (
     COLLECTIVE_EXCHANGE,
     agent_bindings,
@@ -82,19 +80,16 @@ class AgentService:
         self._accepted = False
 
     async def _publish_part(self, part: CollectivePart) -> None:
-        body = codec.encode_sized(part, len(part.tensor.data))
-        await self._broker.publish_raw(COLLECTIVE_EXCHANGE, self._key, body, message_type=part.kind)
+        await self._broker.publish(COLLECTIVE_EXCHANGE, self._key, part)
 
     async def _send_part(self, rank: int, part: CollectivePart) -> None:
         """A part for one peer only (the stage leader), straight to its collective queue."""
         group = self.loaded.group
         queue = agent_collective_queue(group.servable, group.version, rank).name
-        body = codec.encode_sized(part, len(part.tensor.data))
-        await self._broker.publish_raw("", queue, body, message_type=part.kind)
+        await self._broker.publish("", queue, part)
 
     async def _publish_result(self, result_to: str, result: StageResult) -> None:
-        body = codec.encode_sized(result, tensor_bytes(result.outputs or {}))
-        await self._broker.publish_raw("", result_to, body, message_type=result.kind)
+        await self._broker.publish("", result_to, result)
 
     async def run(self, stop: asyncio.Event) -> None:
         """The service's life; ``stop`` is set by SIGTERM/SIGINT (or a refusal)."""

@@ -55,7 +55,6 @@ from shardserve.protocol import (
     Message,
     RepositoryCommand,
 )
-from shardserve.tensors import tensor_bytes
 from shardserve_gateway.bundler import Outgoing, RequestBundler
 
 _logger = logging.getLogger(__name__)
@@ -220,7 +219,7 @@ class AmqpDispatcher:
             raise UnavailableError(f"scheduler not running: {exc.message}") from exc
 
     async def _publish(self, request: InferRequest, correlation_id: str) -> None:
-        size = sum(tensor_bytes(instance) for instance in request.instances)
+        size = codec.tensor_payload(request)
         if size <= ALONE_BYTES:
             await self.bundler.send(request, correlation_id, size)
             return

@@ -23,8 +23,7 @@ from shardserve import topology
 from shardserve.broker import Broker
 from shardserve.errors import InferenceError
 from shardserve.lifecycle import request_id_var
-from shardserve.protocol import BundledReply, InferReply, InferReplyBundle, RegistrationVerdict
-from shardserve.tensors import tensor_bytes
+from shardserve.protocol import BundledReply, InferReplyBundle, RegistrationVerdict
 from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, RunPython
 
 _logger = logging.getLogger(__name__)
@@ -45,10 +44,6 @@ class SendVerdict:
 
 
 Outgoing = Action | CancelConsumer | SendVerdict
-
-
-def _reply_bytes(reply: InferReply) -> int:
-    return sum(tensor_bytes(r.outputs) for r in reply.instances if r.outputs)
 
 
 # Reply queues remembered as bundle-capable; gateways come and go (each restart is a new
@@ -172,19 +167,11 @@ class ActionSender:
         if isinstance(action, PublishStageWork):
             work = action.work
             await broker.publish(
-                topology.STAGE_EXCHANGE,
-                action.routing_key,
-                work,
-                deadline=work.deadline,
-                payload_bytes=tensor_bytes(work.inputs),
+                topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
             )
         elif isinstance(action, Reply):
             await broker.publish(
-                "",
-                action.reply_to,
-                action.reply,
-                correlation_id=action.correlation_id,
-                payload_bytes=_reply_bytes(action.reply),
+                "", action.reply_to, action.reply, correlation_id=action.correlation_id
             )
         else:
             await broker.publish(topology.CONTROL_EXCHANGE, action.routing_key, action.cancel)

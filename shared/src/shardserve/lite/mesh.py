@@ -55,7 +55,7 @@ from shardserve.protocol import (
 )
 from shardserve.repository import GroupConfig
 from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor, digest_mismatch, digest_tensors, tensor_bytes
+from shardserve.tensors import Tensor, digest_mismatch, digest_tensors
 from shardserve.topology import COLLECTIVE_EXCHANGE, Binding, Queue
 
 _logger = logging.getLogger(__name__)
@@ -268,10 +268,7 @@ class RunMesh:
             result_to="",
         )
         await self._broker.publish(
-            COLLECTIVE_EXCHANGE,
-            run_key_stage(self.run, self.stage.index + 1),
-            work,
-            payload_bytes=tensor_bytes(tensors),
+            COLLECTIVE_EXCHANGE, run_key_stage(self.run, self.stage.index + 1), work
         )
 
     # ------------------------------------------------------------ failures
@@ -308,15 +305,11 @@ class RunMesh:
     # ------------------------------------------------------------ wire
 
     async def _part(self, part: CollectivePart) -> None:
-        key = run_key_stage(self.run, part.stage)
-        await self._broker.publish(
-            COLLECTIVE_EXCHANGE, key, part, payload_bytes=len(part.tensor.data)
-        )
+        await self._broker.publish(COLLECTIVE_EXCHANGE, run_key_stage(self.run, part.stage), part)
 
     async def _send_part(self, rank: int, part: CollectivePart) -> None:
         """A part for one peer only (the stage leader): straight to its run queue."""
-        queue = run_queue(self.run, rank).name
-        await self._broker.publish("", queue, part, payload_bytes=len(part.tensor.data))
+        await self._broker.publish("", run_queue(self.run, rank).name, part)
 
     async def _on_message(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         if isinstance(message, CollectivePart):
