@@ -1,0 +1,1 @@
+"""Request and response bodies: KServe v2 JSON and binary, MindSpore REST, JSON tensors."""

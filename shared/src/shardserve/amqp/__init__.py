@@ -1,0 +1,1 @@
+"""Broker access: the robust connection, failover between nodes, collectives between ranks."""

@@ -1,0 +1,1 @@
+"""Running meshes: the shardserve up launcher, the chaos suite, a child-process mesh, warm-up."""

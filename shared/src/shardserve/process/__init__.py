@@ -1,0 +1,1 @@
+"""How a shardserve process runs: settings, cores, event loop, lifecycle, heap, child supervision."""

@@ -1,0 +1,1 @@
+"""Building model repositories: the exporters, the slicer of existing ONNX models, and what they share."""
