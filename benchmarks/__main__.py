@@ -23,7 +23,7 @@ from benchmarks.meshes import dedicated_vhost
 from benchmarks.report import git_commit, render, write_json
 from benchmarks.rounds import combine_ratios, combine_results
 from benchmarks.scenarios import SCENARIOS, Run
-from shardserve.heap import keep_freed_memory
+from shardserve.process.heap import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

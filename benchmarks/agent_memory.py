@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from shardserve.localmesh import LocalMesh, MeshError, base_amqp_url, free_port
+from shardserve.ops.child_mesh import LocalMesh, MeshError, base_amqp_url, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT_SRC = ROOT / "services" / "agent" / "src"
@@ -157,7 +157,7 @@ def _infer(url: str, x: np.ndarray) -> np.ndarray:
 
 
 def bench_cap(work: Path) -> None:
-    from shardserve.export.mlp import export_mlp, reference_model
+    from shardserve.tools.export.mlp import export_mlp, reference_model
 
     hidden, ffn, layers = 1024, 4096, 32
     whole, sliced = work / "mlp1", work / "mlp8"

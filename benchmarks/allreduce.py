@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shardserve.collective import sum_in_rank_order
-from shardserve.eventloop import configured_loop_factory
-from shardserve.lite.mesh import RunMesh
-from shardserve.repository import load_group
-from shardserve.settings import BrokerSettings
+from shardserve.amqp.collective import sum_in_rank_order
+from shardserve.lite.wire import RunMesh
+from shardserve.process.eventloop import configured_loop_factory
+from shardserve.process.settings import BrokerSettings
+from shardserve.repo.repository import load_group
 
 NEVER = 2**62  # a min_shard_bytes no part reaches: the leader algorithm
 

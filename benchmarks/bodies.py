@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardserve.client.kserve import HEADER_LENGTH, encode_request
-from shardserve.tensors import DTYPE_TO_DATATYPE
+from shardserve.wire.tensors import DTYPE_TO_DATATYPE
 
 JSON_HEADERS = {"Content-Type": "application/json"}
 

@@ -21,8 +21,8 @@ import uuid
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from shardserve.eventloop import configured_loop_factory
-from shardserve.heap import keep_freed_memory
+from shardserve.process.eventloop import configured_loop_factory
+from shardserve.process.heap import keep_freed_memory
 
 PREFETCH = 256
 

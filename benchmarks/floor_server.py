@@ -6,7 +6,7 @@ No broker, no validation beyond what decoding needs. The mesh is compared agains
 JSON is read with orjson (``--json fast``, the default: the fastest common JSON library,
 what a well-made plain server uses) and ``np.asarray``, and written from numpy by orjson.
 Two other readings serve as references: ``--json numeric`` reads the body the way the
-gateway does (``shardserve_gateway.numeric_json``: numeric ``data`` straight into numpy),
+gateway does (``shardserve_gateway.codecs.numeric_json``: numeric ``data`` straight into numpy),
 so the ``floor-numeric`` ratios measure the mesh's overhead with no difference of JSON
 parsers at all; ``--json stdlib`` uses Python's ``json`` module (``tolist()`` out), what a
 plain single-process server does: the ``floor-stdlib`` scenario, the least demanding one.
@@ -30,10 +30,10 @@ import numpy as np
 import onnxruntime as ort
 from aiohttp import web
 
-from shardserve.eventloop import configured_loop_factory
-from shardserve.heap import keep_freed_memory
-from shardserve.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
-from shardserve_gateway import fast_json, numeric_json
+from shardserve.process.eventloop import configured_loop_factory
+from shardserve.process.heap import keep_freed_memory
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, DTYPE_TO_DATATYPE
+from shardserve_gateway.codecs import fast_json, numeric_json
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 SESSION_KEY = web.AppKey("session", ort.InferenceSession)

@@ -24,9 +24,9 @@ import numpy as np
 from aiohttp import web
 
 from benchmarks import floor_server
-from shardserve.eventloop import configured_loop_factory
-from shardserve.heap import keep_freed_memory
-from shardserve.protocol import (
+from shardserve.process.eventloop import configured_loop_factory
+from shardserve.process.heap import keep_freed_memory
+from shardserve.wire.protocol import (
     InferReply,
     InferRequest,
     InstanceResult,
@@ -36,7 +36,7 @@ from shardserve.protocol import (
     ServableStatus,
     TensorSpec,
 )
-from shardserve.tensors import Tensor
+from shardserve.wire.tensors import Tensor
 from shardserve_gateway.app import create_app as create_gateway_app
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.settings import GatewaySettings

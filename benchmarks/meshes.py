@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.localmesh import (
+from shardserve.ops.child_mesh import (
     LocalMesh,
     LoggedProcess,
     base_amqp_url,

@@ -96,7 +96,7 @@ def _export(args: argparse.Namespace, repo: Path) -> Body:
     """Export the profiled model into ``repo``; the request body that goes with it."""
     ranks, stages = args.rank_size, args.stage_size
     if args.model == "mlp":
-        from shardserve.export.mlp import export_mlp
+        from shardserve.tools.export.mlp import export_mlp
 
         export_mlp(
             repo,
@@ -107,7 +107,7 @@ def _export(args: argparse.Namespace, repo: Path) -> Body:
             layers=MLP_LAYERS,
         )
         return make_body(args.body, mlp_input(1, MLP_HIDDEN))
-    from shardserve.export.matmul import export_matmul
+    from shardserve.tools.export.matmul import export_matmul
 
     export_matmul(repo, rank_size=ranks, stage_size=stages)
     return make_body(args.body, matmul_input())

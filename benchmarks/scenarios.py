@@ -40,7 +40,7 @@ from benchmarks.meshes import (
     running_module,
     service_pids,
 )
-from shardserve.localmesh import free_port, rss_bytes
+from shardserve.ops.child_mesh import free_port, rss_bytes
 
 MATMUL_IN_BYTES = 128 * 96 * 4
 MATMUL_OUT_BYTES = 128 * 16 * 4
@@ -104,7 +104,7 @@ class Run:
 
 
 def matmul_repo(run: Run, rank_size: int, stage_size: int = 1) -> Path:
-    from shardserve.export.matmul import export_matmul
+    from shardserve.tools.export.matmul import export_matmul
 
     return run.repo(
         f"matmul-r{rank_size}-s{stage_size}",
@@ -121,7 +121,7 @@ def mlp_repo(
     ffn: int = MLP_FFN,
     layers: int = MLP_LAYERS,
 ) -> Path:
-    from shardserve.export.mlp import export_mlp
+    from shardserve.tools.export.mlp import export_mlp
 
     key = f"mlp-r{rank_size}-s{stage_size}-{hidden}-{ffn}-{layers}"
     return run.repo(
@@ -140,7 +140,7 @@ def mlp_repo(
 def slice_path(repo: Path, servable: str, rank: int) -> Path:
     """The one segment file of ``rank`` in an exported repository (version 1), as its group
     config names it."""
-    from shardserve.repository import load_group, rank_dir
+    from shardserve.repo.repository import load_group, rank_dir
 
     [name] = load_group(repo, servable, 1).ranks[rank].files
     return rank_dir(repo, servable, 1, rank) / name
@@ -155,7 +155,7 @@ def reference_onnx(run: Run, name: str, model: onnx.ModelProto) -> Path:
 
 
 def matmul_reference(run: Run) -> Path:
-    from shardserve.export.matmul import reference_model
+    from shardserve.tools.export.matmul import reference_model
 
     return reference_onnx(run, "matmul", reference_model())
 
@@ -384,8 +384,8 @@ def memory(run: Run) -> None:
     2 ranks, against the fixed overhead of an agent with a tiny slice (matmul, 24 KiB)."""
     repo = run.work / "repos" / "memory"
     if not repo.exists():
-        from shardserve.export.matmul import export_matmul
-        from shardserve.export.mlp import export_mlp
+        from shardserve.tools.export.matmul import export_matmul
+        from shardserve.tools.export.mlp import export_mlp
 
         export_matmul(repo, rank_size=1)
         export_mlp(repo, name="mlp", hidden=MLP_HIDDEN, ffn=MLP_FFN, layers=MLP_LAYERS)
@@ -500,7 +500,7 @@ async def _raw_few(run: Run, queue: str, size: int, count: int) -> LoadResult:
 def cache(run: Run) -> None:
     """Compile cache: agent load time of the transformer with an empty cache folder (cold:
     optimize + save) and again with the folder it filled (warm: load the saved graph)."""
-    from shardserve.export.transformer import export_transformer
+    from shardserve.tools.export.transformer import export_transformer
 
     repo = run.repo(
         "transformer",

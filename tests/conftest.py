@@ -19,8 +19,8 @@ import pytest
 # Helpers shared by unit and integration tests (tests run with --import-mode=importlib).
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
-from shardserve.localmesh import base_amqp_url, isolated_vhost
-from shardserve.settings import AMQP_URL_ENV
+from shardserve.ops.child_mesh import base_amqp_url, isolated_vhost
+from shardserve.process.settings import AMQP_URL_ENV
 
 
 def _broker_reachable(url: str) -> bool:

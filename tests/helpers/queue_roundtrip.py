@@ -9,8 +9,8 @@ import uuid
 
 import aio_pika
 
-from shardserve import codec
-from shardserve.protocol import InferReply, InferRequest
+from shardserve.wire import codec
+from shardserve.wire.protocol import InferReply, InferRequest
 
 REPLY_WAIT_S = 60.0
 

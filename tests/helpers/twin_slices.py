@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from shardserve.protocol import TensorSpec
-from shardserve.repository import RunOp
-from shardserve.slicing import RankSlice, SliceLayout, write_slices
+from shardserve.repo.repository import RunOp
+from shardserve.tools.slicing import RankSlice, SliceLayout, write_slices
+from shardserve.wire.protocol import TensorSpec
 
 SIZE = 256  # a SIZE x SIZE float32 weight is 256 KiB, above segments.MIN_SHARED_BYTES
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from shardserve.localmesh import SHARDSERVE, LocalMesh, free_port
+from shardserve.ops.child_mesh import SHARDSERVE, LocalMesh, free_port
 
 pytestmark = pytest.mark.integration
 

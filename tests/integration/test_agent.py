@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import ErrorCode
-from shardserve.export.matmul import export_matmul
-from shardserve.protocol import (
+from shardserve.process.settings import BrokerSettings
+from shardserve.tools.export.matmul import export_matmul
+from shardserve.wire.protocol import (
     AgentBye,
     AgentHeartbeat,
     AgentHello,
@@ -32,9 +33,8 @@ from shardserve.protocol import (
     StageResult,
     StageWork,
 )
-from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor, digest_tensors
-from shardserve.topology import (
+from shardserve.wire.tensors import Tensor, digest_tensors
+from shardserve.wire.topology import (
     COLLECTIVE_EXCHANGE,
     CONTROL_EXCHANGE,
     KEY_SCHEDULER_HELLO,

@@ -22,9 +22,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from twin_slices import write_two_segments
 
-from shardserve.export.matmul import export_matmul
-from shardserve.program import run_stage
-from shardserve.repository import (
+from shardserve.repo.repository import (
     RunOp,
     load_group,
     rank_checksum,
@@ -32,7 +30,9 @@ from shardserve.repository import (
     sha256_file,
     write_group,
 )
-from shardserve.slicing import slice_pipeline
+from shardserve.runtime.program import run_stage
+from shardserve.tools.export.matmul import export_matmul
+from shardserve.tools.slicing import slice_pipeline
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice, load_slice
 

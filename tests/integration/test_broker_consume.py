@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import UnavailableError
-from shardserve.protocol import InferReply, InstanceResult, Message
-from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor
+from shardserve.process.settings import BrokerSettings
+from shardserve.wire import topology
+from shardserve.wire.protocol import InferReply, InstanceResult, Message
+from shardserve.wire.tensors import Tensor
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import UnavailableError
-from shardserve.settings import BrokerSettings
+from shardserve.process.settings import BrokerSettings
+from shardserve.wire import topology
 
 pytestmark = pytest.mark.integration
 

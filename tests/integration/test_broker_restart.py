@@ -1,6 +1,6 @@
 """A mesh comes back by itself after its RabbitMQ restarts (stop_app, start_app).
 
-The broker is a private RabbitMQ node (``scripts/rabbitnode.py``: own node name, ports,
+The broker is a private RabbitMQ node (``shardserve.ops.rabbitnode``: own node name, ports,
 mnesia and log folders), never the shared one other tests use. A 2-rank matmul mesh runs
 on it under light load; the node's app is stopped for a few seconds and started again.
 During the outage every request must get a clear 503 at once (none hangs until its
@@ -26,10 +26,11 @@ from typing import Any
 
 import pytest
 
+from shardserve.ops.rabbitnode import NodeError, RabbitNode, port_pair_free, rabbit_available
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from loadcheck import all_close, infer_body, one_request  # noqa: E402
-from rabbitnode import NodeError, RabbitNode, port_pair_free, rabbit_available  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

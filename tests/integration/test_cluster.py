@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from shardserve.ops.rabbitnode import port_pair_free
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "rabbit-cluster"
-sys.path.insert(0, str(SCRIPT.parent))
-from rabbitnode import port_pair_free  # noqa: E402
 
 EXIT_SKIP = 77
 

@@ -10,15 +10,15 @@ import zlib
 
 import pytest
 
-from shardserve import codec
-from shardserve.chaos import names
-from shardserve.chaos.amqp_faults import malformed_bodies, request_without_reply_to
-from shardserve.chaos.http_faults import gzip_bomb, judge
-from shardserve.chaos.ledger import Ledger, error_code
-from shardserve.chaos.load import answer_is_right
-from shardserve.chaos.report import ScenarioReport
 from shardserve.errors import CodecError
-from shardserve_gateway.body import inflate
+from shardserve.ops.chaos import names
+from shardserve.ops.chaos.amqp_faults import malformed_bodies, request_without_reply_to
+from shardserve.ops.chaos.http_faults import gzip_bomb, judge
+from shardserve.ops.chaos.ledger import Ledger, error_code
+from shardserve.ops.chaos.load import answer_is_right
+from shardserve.ops.chaos.report import ScenarioReport
+from shardserve.wire import codec
+from shardserve_gateway.codecs.body import inflate
 from shardserve_gateway.errors import PayloadTooLargeError
 
 

@@ -17,7 +17,7 @@ import onnxruntime as ort
 import pytest
 
 from shardserve.client import Client
-from shardserve.export import mlp, transformer
+from shardserve.tools.export import mlp, transformer
 
 pytestmark = pytest.mark.integration
 

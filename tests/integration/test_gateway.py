@@ -27,9 +27,10 @@ import pytest
 import tritonclient.http.aio as triton_aio
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
-from shardserve.broker import Broker
-from shardserve.protocol import (
+from shardserve.amqp.broker import Broker
+from shardserve.process.settings import AMQP_URL_ENV, BrokerSettings
+from shardserve.wire import topology
+from shardserve.wire.protocol import (
     InferReply,
     InferRequest,
     InferRequestBundle,
@@ -40,8 +41,7 @@ from shardserve.protocol import (
     ServableStatus,
     TensorSpec,
 )
-from shardserve.settings import AMQP_URL_ENV, BrokerSettings
-from shardserve.tensors import Tensor
+from shardserve.wire.tensors import Tensor
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 from onnx import ModelProto
 
 from shardserve.client import AsyncClient
-from shardserve.export import matmul, mlp
+from shardserve.tools.export import matmul, mlp
 
 pytestmark = pytest.mark.integration
 

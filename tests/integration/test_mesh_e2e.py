@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from shardserve.export.matmul import reference_model
+from shardserve.tools.export.matmul import reference_model
 
 pytestmark = pytest.mark.integration
 

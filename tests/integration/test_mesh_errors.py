@@ -172,7 +172,7 @@ def wait_for(probe: Any, status: int, timeout: float) -> tuple[int, Any]:
 async def test_malformed_amqp_is_dead_lettered_and_counted(mesh_matmul8: Any) -> None:
     import aio_pika
 
-    from shardserve import topology
+    from shardserve.wire import topology
 
     before = mesh_matmul8.metric("shardserve_dead_lettered_total")
     connection = await aio_pika.connect(mesh_matmul8.amqp_url)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from queue_roundtrip import REPLY_WAIT_S, roundtrip
 
-from shardserve import codec
 from shardserve.errors import ErrorCode
-from shardserve.protocol import (
+from shardserve.wire import codec
+from shardserve.wire.protocol import (
     BundledRequest,
     InferReply,
     InferReplyBundle,
@@ -27,7 +27,7 @@ from shardserve.protocol import (
     InferRequestBundle,
     InstanceResult,
 )
-from shardserve.tensors import Tensor
+from shardserve.wire.tensors import Tensor
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ import aio_pika
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
-from shardserve.broker import Broker, QueueState
-from shardserve.settings import BrokerSettings
+from shardserve.amqp.broker import Broker, QueueState
+from shardserve.process.settings import BrokerSettings
+from shardserve.wire import topology
 from shardserve_scheduler.inbox import unbind_other_request_queue
 
 pytestmark = pytest.mark.integration

@@ -19,9 +19,9 @@ import onnxruntime as ort
 import pytest
 
 from shardserve import lite
-from shardserve.collective import MIN_SHARD_BYTES
-from shardserve.export.matmul import export_matmul
-from shardserve.export.mlp import export_mlp, reference_model
+from shardserve.amqp.collective import MIN_SHARD_BYTES
+from shardserve.tools.export.matmul import export_matmul
+from shardserve.tools.export.mlp import export_mlp, reference_model
 
 pytestmark = pytest.mark.integration
 

@@ -22,10 +22,19 @@ import numpy as np
 import pytest
 
 import shardserve_scheduler
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import ErrorCode
-from shardserve.protocol import (
+from shardserve.process.settings import BrokerSettings
+from shardserve.repo.repository import (
+    GroupConfig,
+    RankSpec,
+    RunOp,
+    StageSpec,
+    rank_checksum,
+    write_group,
+)
+from shardserve.wire import topology
+from shardserve.wire.protocol import (
     AgentHeartbeat,
     AgentHello,
     InferReply,
@@ -38,16 +47,7 @@ from shardserve.protocol import (
     StageWork,
     TensorSpec,
 )
-from shardserve.repository import (
-    GroupConfig,
-    RankSpec,
-    RunOp,
-    StageSpec,
-    rank_checksum,
-    write_group,
-)
-from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor, digest_tensors
+from shardserve.wire.tensors import Tensor, digest_tensors
 
 pytestmark = pytest.mark.integration
 

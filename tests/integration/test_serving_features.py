@@ -22,12 +22,12 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from shardserve import topology
-from shardserve.broker import Broker
-from shardserve.export.common import model_bytes
-from shardserve.export.mlp import reference_model
-from shardserve.protocol import RepositoryCommand
-from shardserve.settings import BrokerSettings
+from shardserve.amqp.broker import Broker
+from shardserve.process.settings import BrokerSettings
+from shardserve.tools.common import model_bytes
+from shardserve.tools.export.mlp import reference_model
+from shardserve.wire import topology
+from shardserve.wire.protocol import RepositoryCommand
 
 pytestmark = pytest.mark.integration
 

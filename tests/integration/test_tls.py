@@ -3,7 +3,7 @@
 The test makes its own certificates (``scripts/make-test-certs``: a CA, a server
 certificate for 127.0.0.1/localhost, a client certificate, plus an unrelated second CA
 with its own client certificate) and starts a private RabbitMQ node
-(``scripts/rabbitnode.py``: own node name, ports and folders) whose TLS listener demands
+(``shardserve.ops.rabbitnode``: own node name, ports and folders) whose TLS listener demands
 a client certificate signed by the test CA (``verify_peer`` + ``fail_if_no_peer_cert``).
 Services reach it with ``amqps://...?cafile=...&certfile=...&keyfile=...`` (aiormq's
 URL parameters). Skipped only when such a node cannot be started here.
@@ -12,7 +12,6 @@ URL parameters). Skipped only when such a node cannot be started here.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -25,12 +24,14 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import aio_pika
 import aiohttp
 import pytest
+
+from shardserve.ops import rabbitnode
+from shardserve.ops.rabbitnode import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -38,18 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
 ONES = {"inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32", "data": [1.0] * 12288}]}
-
-
-def _load_rabbitnode() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("rabbitnode", SCRIPTS / "rabbitnode.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("rabbitnode", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-rabbitnode = _load_rabbitnode()
 
 
 def _node_port() -> int:
@@ -101,9 +90,7 @@ def tls_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TlsBrok
     if reason:
         pytest.skip(f"cannot start a TLS RabbitMQ node: {reason}")
     work = tmp_path_factory.mktemp("tls")
-    broker = TlsBroker(
-        rabbitnode.free_port(), make_certs(work / "certs"), make_certs(work / "foreign")
-    )
+    broker = TlsBroker(free_port(), make_certs(work / "certs"), make_certs(work / "foreign"))
     # The plain listener stays on its own free port: rabbitmqctl needs none, services
     # are never given it.
     node = rabbitnode.RabbitNode(
@@ -228,7 +215,7 @@ def tls_mesh(
         timeout=300,
     )
     env = {**os.environ, "SHARDSERVE_AMQP_URL": broker.url(), "PYTHONUNBUFFERED": "1"}
-    http_port, https_port = rabbitnode.free_port(), rabbitnode.free_port()
+    http_port, https_port = free_port(), free_port()
     up = [SHARDSERVE, "up", str(repo), "--http-port", str(http_port), "--grace-seconds", "5"]
     mesh = _spawn(up, env, work / "mesh.log")
     gateway_argv = [

@@ -18,8 +18,8 @@ import pytest
 from queue_roundtrip import roundtrip
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferRequest
-from shardserve.tensors import Tensor
+from shardserve.wire.protocol import InferRequest
+from shardserve.wire.tensors import Tensor
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import yaml
 
 from shardserve.client.asyncapi import build_asyncapi, main
 from shardserve.errors import ErrorCode
-from shardserve.protocol import (
+from shardserve.wire.protocol import (
     InferReply,
     InferReplyBundle,
     InferRequest,

@@ -117,7 +117,7 @@ def test_bodies_are_valid_kserve() -> None:
 def tiny_model(tmp_path: Path) -> Path:
     import onnx
 
-    from shardserve.export.matmul import reference_model
+    from shardserve.tools.export.matmul import reference_model
 
     path = tmp_path / "matmul.onnx"
     onnx.save(reference_model(), str(path))

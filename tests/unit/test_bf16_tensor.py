@@ -14,10 +14,10 @@ from onnx import TensorProto, helper
 from tritonclient.http import InferInput
 
 from shardserve.errors import BadInputError
-from shardserve.program import OrtSegment
-from shardserve.protocol import TensorSpec
-from shardserve.signature import check_tensor
-from shardserve.tensors import DATATYPE_TO_DTYPE, Tensor, digest_tensors, is_bfloat16
+from shardserve.repo.signature import check_tensor
+from shardserve.runtime.program import OrtSegment
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, Tensor, digest_tensors, is_bfloat16
 
 # All exactly representable in bfloat16, so truncating float32 (the wire rule) and
 # rounding to nearest (ml_dtypes) agree.
@@ -106,8 +106,8 @@ def test_a_bf16_model_output_comes_back_as_bfloat16() -> None:
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from shardserve.program import OrtSegment
-    from shardserve.tensors import Tensor
+    from shardserve.runtime.program import OrtSegment
+    from shardserve.wire.tensors import Tensor
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
     y = helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [2, 3])

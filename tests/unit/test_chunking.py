@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from shardserve import chunking
-from shardserve.chunking import ChunkError, Reassembler, split
+from shardserve.wire import chunking
+from shardserve.wire.chunking import ChunkError, Reassembler, split
 
 
 class ManualClock:

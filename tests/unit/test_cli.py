@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 
 from shardserve import cli
-from shardserve.launch.plan import (
+from shardserve.ops.launch.plan import (
     UpOptions,
     discover_groups,
     plan_children,
     repository_version_is_valid,
 )
-from shardserve.launch.status import all_ready, format_status, progress_lines, public_url
-from shardserve.launcher import redact
-from shardserve.repository import GroupConfig, load_group, verify_rank_files
+from shardserve.ops.launch.status import all_ready, format_status, progress_lines, public_url
+from shardserve.ops.launch.up import redact
+from shardserve.repo.repository import GroupConfig, load_group, verify_rank_files
 
 
 def has_module(name: str) -> bool:

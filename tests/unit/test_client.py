@@ -30,7 +30,7 @@ from shardserve.errors import (
     OverloadedError,
     UnavailableError,
 )
-from shardserve.tensors import DATATYPE_TO_DTYPE, pack_bytes_elements, unpack_bytes_elements
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, pack_bytes_elements, unpack_bytes_elements
 
 # ---------------------------------------------------------------- a fake gateway
 

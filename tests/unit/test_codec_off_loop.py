@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from shardserve import codec
-from shardserve.protocol import StageWork
-from shardserve.tensors import Tensor, digest_tensors
+from shardserve.wire import codec
+from shardserve.wire.protocol import StageWork
+from shardserve.wire.tensors import Tensor, digest_tensors
 
 
 def work_of(nbytes: int) -> bytes:

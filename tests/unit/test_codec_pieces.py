@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from pydantic import BaseModel
 
-from shardserve import codec
-from shardserve.protocol import (
+from shardserve.wire import codec
+from shardserve.wire.protocol import (
     BundledReply,
     BundledRequest,
     CollectivePart,
@@ -19,7 +19,7 @@ from shardserve.protocol import (
     InstanceResult,
     StageWork,
 )
-from shardserve.tensors import Tensor, digest_tensors
+from shardserve.wire.tensors import Tensor, digest_tensors
 
 BIG = codec.SPLICE_MIN_BYTES  # the first size that is spliced
 

@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pytest
 
-from shardserve.collective import CollectiveHub, JobCancelledError
+from shardserve.amqp.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import DeadlineError
-from shardserve.program import final_collectives, run_stage
-from shardserve.protocol import CollectivePart
-from shardserve.repository import AllGatherOp, AllReduceOp, RunOp, StageSpec
-from shardserve.tensors import Tensor
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, RunOp, StageSpec
+from shardserve.runtime.program import final_collectives, run_stage
+from shardserve.wire.protocol import CollectivePart
+from shardserve.wire.tensors import Tensor
 
 
 class ManualClock:

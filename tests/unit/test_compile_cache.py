@@ -13,9 +13,9 @@ import onnx
 import onnx.numpy_helper
 import pytest
 
-from shardserve.compile_cache import CompileCache, SessionConfig, cache_key, cpu_features
-from shardserve.export.matmul import export_matmul
-from shardserve.repository import load_group, verify_rank_files
+from shardserve.repo.repository import load_group, verify_rank_files
+from shardserve.runtime.compile_cache import CompileCache, SessionConfig, cache_key, cpu_features
+from shardserve.tools.export.matmul import export_matmul
 
 BASE = dict(
     slice_sha256="a" * 64,
@@ -145,8 +145,8 @@ def test_disabled_cache_is_off(tmp_path: Path, segment: tuple[Path, str]) -> Non
 _OPEN_PROBE = """
 import sys
 from pathlib import Path
-from shardserve.compile_cache import CompileCache, SessionConfig
-from shardserve.heap import return_freed_memory
+from shardserve.runtime.compile_cache import CompileCache, SessionConfig
+from shardserve.process.heap import return_freed_memory
 cache = CompileCache(Path(sys.argv[2]), 0, SessionConfig(mode=sys.argv[3]))
 session, status = cache.open(Path(sys.argv[1]), "f" * 64)
 return_freed_memory()  # as the agent does after loading its slice

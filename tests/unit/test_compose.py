@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from shardserve import cli, topology
+from shardserve import cli
+from shardserve.wire import topology
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())

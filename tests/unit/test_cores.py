@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from shardserve.cores import (
+from shardserve.ops.launch.plan import UpOptions, agent_specs, discover_groups, with_agent_threads
+from shardserve.process.cores import (
     cgroup_cpu_quota,
     parse_threads,
     threads_per_agent,
     usable_cores,
 )
-from shardserve.export.matmul import export_matmul
-from shardserve.launch.plan import UpOptions, agent_specs, discover_groups, with_agent_threads
+from shardserve.tools.export.matmul import export_matmul
 
 
 def _cgroup_v2(root: Path, cpu_max: str) -> Path:
@@ -83,7 +83,7 @@ def test_up_gives_every_agent_its_share_unless_told(
 ) -> None:
     matmul_repo = tmp_path / "repo"
     export_matmul(matmul_repo, rank_size=2)
-    monkeypatch.setattr("shardserve.launch.plan.usable_cores", lambda: 17)
+    monkeypatch.setattr("shardserve.ops.launch.plan.usable_cores", lambda: 17)
     groups = discover_groups(matmul_repo)
     agents = sum(g.rank_size for g in groups)
     options, cores = with_agent_threads(UpOptions(), agents)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shardserve.eventloop import loop_factory
+from shardserve.process.eventloop import loop_factory
 
 
 def loop_type(choice: str | None) -> str:

@@ -12,9 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from shardserve.errors import ExportError
-from shardserve.export.matmul import Strategy, export_matmul, reference_model
-from shardserve.program import run_group_locally
-from shardserve.repository import (
+from shardserve.repo.repository import (
     AllGatherOp,
     AllReduceOp,
     GroupConfig,
@@ -24,7 +22,9 @@ from shardserve.repository import (
     verify_rank_files,
     version_dir,
 )
+from shardserve.runtime.program import run_group_locally
 from shardserve.servable import load_servable_config
+from shardserve.tools.export.matmul import Strategy, export_matmul, reference_model
 
 CUTS: list[tuple[int, int, Strategy]] = [
     (1, 1, "column"),

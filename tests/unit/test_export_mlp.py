@@ -13,15 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from shardserve.errors import ExportError
-from shardserve.export.mlp import (
-    MlpShape,
-    export_mlp,
-    random_weights,
-    reference_model,
-    stage_blocks,
-)
-from shardserve.program import run_group_locally
-from shardserve.repository import (
+from shardserve.repo.repository import (
     AllReduceOp,
     GroupConfig,
     RunOp,
@@ -30,7 +22,15 @@ from shardserve.repository import (
     verify_rank_files,
     version_dir,
 )
+from shardserve.runtime.program import run_group_locally
 from shardserve.servable import load_servable_config
+from shardserve.tools.export.mlp import (
+    MlpShape,
+    export_mlp,
+    random_weights,
+    reference_model,
+    stage_blocks,
+)
 
 HIDDEN, FFN = 32, 64
 CUTS = [

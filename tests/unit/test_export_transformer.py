@@ -12,15 +12,15 @@ import onnxruntime as ort
 import pytest
 
 from shardserve.errors import ExportError
-from shardserve.export.transformer import (
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, load_group
+from shardserve.runtime.program import run_group_locally
+from shardserve.servable import load_servable_config
+from shardserve.tools.export.transformer import (
     TransformerShape,
     export_transformer,
     random_weights,
     reference_model,
 )
-from shardserve.program import run_group_locally
-from shardserve.repository import AllGatherOp, AllReduceOp, load_group
-from shardserve.servable import load_servable_config
 
 SIZE: dict[str, Any] = {"layers": 4, "hidden": 32, "heads": 8, "vocab": 48, "max_seq": 16}
 

@@ -6,8 +6,8 @@ import asyncio
 
 from aio_pika.robust_connection import RobustConnection
 
-from shardserve import topology
-from shardserve.failover import ATTEMPT_HOOK, FailoverConnection
+from shardserve.amqp.failover import ATTEMPT_HOOK, FailoverConnection
+from shardserve.wire import topology
 
 
 def test_aio_pika_still_has_the_per_attempt_hook() -> None:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from shardserve.heap import keep_freed_memory, return_freed_memory
+from shardserve.process.heap import keep_freed_memory, return_freed_memory
 
 
 def rss_kib() -> int:
@@ -49,7 +49,7 @@ def test_freed_small_allocations_leave_the_process() -> None:
 
 _REUSE_PROBE = """
 import resource, sys
-from shardserve.heap import keep_freed_memory
+from shardserve.process.heap import keep_freed_memory
 tuned = keep_freed_memory() if sys.argv[1] == "tuned" else False
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(40):

@@ -10,13 +10,13 @@ from typing import Any, cast
 
 import pytest
 
-from shardserve.export.matmul import export_matmul
-from shardserve.launch.mesh import Mesh
-from shardserve.launch.plan import GroupKey, UpOptions
-from shardserve.launch.status import StatusBoard
-from shardserve.launch.watch import RepositoryWatcher, versions_on_disk
-from shardserve.repository import GroupConfig, load_group
-from shardserve.supervise import ChildSpec
+from shardserve.ops.launch.plan import GroupKey, UpOptions
+from shardserve.ops.launch.processes import Mesh
+from shardserve.ops.launch.status import StatusBoard
+from shardserve.ops.launch.watch import RepositoryWatcher, versions_on_disk
+from shardserve.process.supervise import ChildSpec
+from shardserve.repo.repository import GroupConfig, load_group
+from shardserve.tools.export.matmul import export_matmul
 
 
 class RecordingMesh:

@@ -10,10 +10,10 @@ import pytest
 
 from shardserve import lite
 from shardserve.cli import main as cli_main
-from shardserve.compile_cache import CACHE_MODES
-from shardserve.export.matmul import export_matmul
 from shardserve.lite.config import RunConfig
-from shardserve.warmup import MODES, up_threads, warmup
+from shardserve.ops.warmup import MODES, up_threads, warmup
+from shardserve.runtime.compile_cache import CACHE_MODES
+from shardserve.tools.export.matmul import export_matmul
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import load_slice
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shardserve.localmesh import (
+from shardserve.ops.child_mesh import (
     LocalMesh,
     LoggedProcess,
     MeshError,

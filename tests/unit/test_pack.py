@@ -9,9 +9,9 @@ import pytest
 
 from shardserve import cli
 from shardserve.errors import RepositoryError
-from shardserve.export.matmul import export_matmul
-from shardserve.pack import BUNDLE_FILE, missing_slice_message, pack_bundle, parse_ranks
-from shardserve.repository import load_group, verify_rank_files
+from shardserve.repo.pack import BUNDLE_FILE, missing_slice_message, pack_bundle, parse_ranks
+from shardserve.repo.repository import load_group, verify_rank_files
+from shardserve.tools.export.matmul import export_matmul
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from shardserve import program
-from shardserve.program import OrtSegment
+from shardserve.runtime import program
+from shardserve.runtime.program import OrtSegment
 
 
 class ManualClock:
-    """Stands in for ``time`` in shardserve.program: a run costs exactly what the fake
+    """Stands in for ``time`` in shardserve.runtime.program: a run costs exactly what the fake
     session says, however busy the machine running the tests is."""
 
     def __init__(self) -> None:

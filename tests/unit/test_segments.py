@@ -1,4 +1,4 @@
-"""``shardserve.segments``: the one rule for a rank's segments, their compile-cache
+"""``shardserve.runtime.segments``: the one rule for a rank's segments, their compile-cache
 identities and the weights they share -- and proof that ``shardserve warmup``, the agent
 and ``shardserve.lite`` agree on it (warmup, then the agent's loader, is a cache hit for a
 rank whose segments share a weight)."""
@@ -15,14 +15,14 @@ from twin_slices import SIZE, matmul_segment, weight, write_two_segments
 from shardserve import lite
 from shardserve.cli import main as cli_main
 from shardserve.errors import RepositoryError, UnsafePathError
-from shardserve.repository import load_group, rank_checksum, rank_dir
-from shardserve.segments import (
+from shardserve.repo.repository import load_group, rank_checksum, rank_dir
+from shardserve.runtime.segments import (
     MIN_SHARED_BYTES,
     find_shared_weights,
     rank_segments,
     segment_files,
 )
-from shardserve.slicing import slice_pipeline
+from shardserve.tools.slicing import slice_pipeline
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import load_slice
 

@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from shardserve.errors import BadInputError
-from shardserve.protocol import MethodStatus, TensorSpec
-from shardserve.signature import check_instance, check_tensor
-from shardserve.tensors import Tensor
+from shardserve.repo.signature import check_instance, check_tensor
+from shardserve.wire.protocol import MethodStatus, TensorSpec
+from shardserve.wire.tensors import Tensor
 
 IDS = TensorSpec(
     name="input_ids",

@@ -15,9 +15,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from shardserve.errors import ExportError, UnsafePathError
-from shardserve.program import run_group_locally
-from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig
-from shardserve.slicing import check_external_data, slice_pipeline, tensor_parallel
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, GroupConfig
+from shardserve.runtime.program import run_group_locally
+from shardserve.tools.slicing import check_external_data, slice_pipeline, tensor_parallel
 
 RNG = np.random.default_rng(11)
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shardserve.supervise import Backoff, ChildSpec, Supervised, describe_exit
+from shardserve.process.supervise import Backoff, ChildSpec, Supervised, describe_exit
 
 
 def test_backoff_doubles_up_to_the_cap() -> None:

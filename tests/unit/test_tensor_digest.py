@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardserve.tensors import DIGEST_PREFIX, Tensor, digest_tensors, foreign_digest
+from shardserve.wire.tensors import DIGEST_PREFIX, Tensor, digest_tensors, foreign_digest
 
 
 def _tensors(**arrays: np.ndarray) -> dict[str, Tensor]:

@@ -70,7 +70,7 @@ def test_default_cache_dir_follows_xdg(tmp_path: Path) -> None:
 
 
 def test_threads_auto_is_every_usable_core() -> None:
-    from shardserve.cores import usable_cores
+    from shardserve.process.cores import usable_cores
 
     assert parse_settings([*REQUIRED, "--threads", "auto"], environ={}).threads == usable_cores()
     auto_env = {"SHARDSERVE_AGENT_THREADS": "auto"}

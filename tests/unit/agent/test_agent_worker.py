@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shardserve.collective import CollectiveHub
+from shardserve.amqp.collective import CollectiveHub
 from shardserve.errors import ErrorCode
-from shardserve.export.matmul import export_matmul
-from shardserve.protocol import CollectivePart, SchedulerHello, StageResult, StageWork
-from shardserve.tensors import DIGEST_PREFIX, Tensor, digest_tensors
+from shardserve.tools.export.matmul import export_matmul
+from shardserve.wire.protocol import CollectivePart, SchedulerHello, StageResult, StageWork
+from shardserve.wire.tensors import DIGEST_PREFIX, Tensor, digest_tensors
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice, load_slice
 from shardserve_agent.worker import StageWorker

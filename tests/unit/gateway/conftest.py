@@ -24,7 +24,7 @@ from gateway_fakes import (
     model_reply,
 )
 
-from shardserve.protocol import ServableStatus
+from shardserve.wire.protocol import ServableStatus
 from shardserve_gateway.app import create_app
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.settings import GatewaySettings

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from aiohttp.test_utils import TestClient
 
-from shardserve.protocol import (
+from shardserve.wire.protocol import (
     InferReply,
     InferRequest,
     InstanceResult,
@@ -25,8 +25,8 @@ from shardserve.protocol import (
     ServableStatus,
     TensorSpec,
 )
-from shardserve.tensors import Tensor
-from shardserve_gateway.json_tensors import to_tensor
+from shardserve.wire.tensors import Tensor
+from shardserve_gateway.codecs.json_tensors import to_tensor
 from shardserve_gateway.mesh_view import MeshView
 
 WEIGHT = np.full((96, 16), 0.5, dtype=np.float32)

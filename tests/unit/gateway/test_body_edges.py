@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shardserve_gateway.body import read_body
+from shardserve_gateway.codecs.body import read_body
 from shardserve_gateway.errors import BodyTimeoutError, ClientGoneError
 
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from shardserve.errors import OverloadedError, UnavailableError
-from shardserve.protocol import InferRequest, InferRequestBundle
-from shardserve.tensors import Tensor
+from shardserve.wire.protocol import InferRequest, InferRequestBundle
+from shardserve.wire.tensors import Tensor
 from shardserve_gateway.bundler import Outgoing, RequestBundler
 
 

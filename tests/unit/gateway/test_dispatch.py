@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from shardserve import topology
 from shardserve.errors import DeadlineError, OverloadedError, UnavailableError
-from shardserve.protocol import InferReply, InferRequest, MeshStatus
-from shardserve.tensors import Tensor
+from shardserve.wire import topology
+from shardserve.wire.protocol import InferReply, InferRequest, MeshStatus
+from shardserve.wire.tensors import Tensor
 from shardserve_gateway.dispatch import AmqpDispatcher, choose_timeout
 
 

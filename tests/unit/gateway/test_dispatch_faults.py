@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from test_dispatch import Incoming, StandInBroker, request, started
 
-from shardserve import topology
 from shardserve.errors import UnavailableError
-from shardserve.protocol import InferReply, MeshStatus, RepositoryCommand, SchedulerHello
+from shardserve.wire import topology
+from shardserve.wire.protocol import InferReply, MeshStatus, RepositoryCommand, SchedulerHello
 from shardserve_gateway.dispatch import AmqpDispatcher
 from shardserve_gateway.mesh_view import MeshView, on_status_message
 

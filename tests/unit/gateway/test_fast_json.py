@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from shardserve.errors import BadInputError
-from shardserve.tensors import Tensor
-from shardserve_gateway import fast_json
-from shardserve_gateway.kserve_codec import decode_request, encode_response
+from shardserve.wire.tensors import Tensor
+from shardserve_gateway.codecs import fast_json
+from shardserve_gateway.codecs.kserve import decode_request, encode_response
 
 
 def _request(datatype: str, data: str) -> bytes:
@@ -90,7 +90,7 @@ def test_integer_limits_stay_exact() -> None:
     ],
 )
 def test_the_flat_float_fast_path_gives_what_the_general_path_gives(data: list[object]) -> None:
-    from shardserve_gateway.json_tensors import flatten, numpy_from_json
+    from shardserve_gateway.codecs.json_tensors import flatten, numpy_from_json
 
     fast = numpy_from_json("x", data)
     try:
@@ -108,7 +108,7 @@ def test_a_bytes_string_that_is_not_valid_unicode_is_a_clear_400() -> None:
 
 
 def test_leaf_types_looks_through_every_level_of_nesting() -> None:
-    from shardserve_gateway.json_tensors import leaf_types
+    from shardserve_gateway.codecs.json_tensors import leaf_types
 
     assert leaf_types([1, [2.0, [True, "a", [None]]], {}]) == {
         int,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from gateway_fakes import MakeGateway, servable
 
-from shardserve.protocol import MethodStatus, TensorSpec
+from shardserve.wire.protocol import MethodStatus, TensorSpec
 
 IDS = TensorSpec(
     name="input_ids",

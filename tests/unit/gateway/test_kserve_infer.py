@@ -14,8 +14,8 @@ import pytest
 from gateway_fakes import Gateway, MakeGateway, echo_servable, ok_reply, servable
 
 from shardserve.errors import DeadlineError, ErrorCode, OverloadedError, http_status
-from shardserve.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
-from shardserve.tensors import Tensor
+from shardserve.wire.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
+from shardserve.wire.tensors import Tensor
 
 JSON = "application/json"
 INFER = "/v2/models/matmul/infer"
@@ -307,7 +307,7 @@ async def test_binary_round_trip_per_datatype(make_gateway: MakeGateway, datatyp
 
 
 async def test_mixed_binary_and_json_inputs(make_gateway: MakeGateway) -> None:
-    from shardserve.protocol import MethodStatus, TensorSpec
+    from shardserve.wire.protocol import MethodStatus, TensorSpec
 
     method = MethodStatus(
         name="predict",

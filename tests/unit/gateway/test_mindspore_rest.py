@@ -11,7 +11,7 @@ import pytest
 from gateway_fakes import Gateway, MakeGateway, ok_reply, servable
 
 from shardserve.errors import BadInputError, ErrorCode
-from shardserve.protocol import (
+from shardserve.wire.protocol import (
     ErrorInfo,
     InferReply,
     InferRequest,
@@ -19,8 +19,8 @@ from shardserve.protocol import (
     MethodStatus,
     TensorSpec,
 )
-from shardserve.tensors import Tensor
-from shardserve_gateway.json_tensors import to_tensor
+from shardserve.wire.tensors import Tensor
+from shardserve_gateway.codecs.json_tensors import to_tensor
 
 JSON = "application/json"
 ONES = [[1.0] * 96 for _ in range(128)]
@@ -303,7 +303,7 @@ def _outcome_of(parse: Any, raw: bytes) -> Any:
 def test_fast_instance_parsing_decides_as_the_standard_library(
     raw: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardserve_gateway import mindspore_codec
+    from shardserve_gateway.codecs import mindspore as mindspore_codec
 
     fast = _outcome_of(mindspore_codec.parse_instances, raw)
     monkeypatch.setattr(mindspore_codec, "_fast_load", lambda raw: None)
@@ -311,7 +311,7 @@ def test_fast_instance_parsing_decides_as_the_standard_library(
 
 
 def test_a_plain_numeric_body_takes_the_fast_path() -> None:
-    from shardserve_gateway import mindspore_codec
+    from shardserve_gateway.codecs import mindspore as mindspore_codec
 
     assert mindspore_codec._fast_load(MS_BODIES[0]) == {
         "instances": [{"x": [[1.5, 2], [3, 400.0]]}]
@@ -319,7 +319,7 @@ def test_a_plain_numeric_body_takes_the_fast_path() -> None:
 
 
 def test_reply_values_are_the_doubles_tolist_gives_whatever_the_writer() -> None:
-    from shardserve_gateway.mindspore_codec import reply_body, tensor_to_json
+    from shardserve_gateway.codecs.mindspore import reply_body, tensor_to_json
 
     rng = np.random.default_rng(5)
     outputs = {
@@ -335,7 +335,7 @@ def test_reply_values_are_the_doubles_tolist_gives_whatever_the_writer() -> None
 
 
 def test_non_finite_reply_values_are_written_as_before() -> None:
-    from shardserve_gateway.mindspore_codec import reply_body, tensor_to_json
+    from shardserve_gateway.codecs.mindspore import reply_body, tensor_to_json
 
     values = np.array([np.nan, np.inf, 1.5], dtype=np.float32)
     doc = {"instances": [{"y": tensor_to_json(Tensor.from_numpy(values))}]}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from shardserve.errors import BadInputError
-from shardserve_gateway import numeric_json
-from shardserve_gateway.kserve_codec import (
+from shardserve_gateway.codecs import numeric_json
+from shardserve_gateway.codecs.kserve import (
     KServeRequest,
     _decode_document,
     decode_request,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway_fakes import MATMUL_METHODS, Gateway, MakeGateway, servable
 
-from shardserve.protocol import RepositoryCommand
+from shardserve.wire.protocol import RepositoryCommand
 
 
 async def test_extension_is_advertised(gateway: Gateway) -> None:

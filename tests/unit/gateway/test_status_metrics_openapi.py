@@ -9,10 +9,10 @@ from typing import Any
 
 from gateway_fakes import MATMUL_METHODS, Gateway, MakeGateway, ManualClock, servable
 
-from shardserve.protocol import MeshStatus, RankStatus
+from shardserve.wire.protocol import MeshStatus, RankStatus
 from shardserve_gateway.app import create_app
 from shardserve_gateway.mesh_metrics import render_mesh
-from shardserve_gateway.openapi import document
+from shardserve_gateway.routes.openapi import document
 from shardserve_gateway.settings import GatewaySettings
 from shardserve_gateway.timeseries import TimeSeries, percentile
 

@@ -11,12 +11,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shardserve.protocol import AgentHeartbeat, AgentHello, InferRequest, StageResult, TensorSpec
-from shardserve.repository import GroupConfig, RankSpec, RunOp, StageSpec, rank_checksum
-from shardserve.tensors import Tensor, digest_tensors
-from shardserve_scheduler.actions import PublishStageWork
-from shardserve_scheduler.catalog import default_method
-from shardserve_scheduler.requests import Call
+from shardserve.repo.repository import GroupConfig, RankSpec, RunOp, StageSpec, rank_checksum
+from shardserve.wire.protocol import (
+    AgentHeartbeat,
+    AgentHello,
+    InferRequest,
+    StageResult,
+    TensorSpec,
+)
+from shardserve.wire.tensors import Tensor, digest_tensors
+from shardserve_scheduler.core.actions import PublishStageWork
+from shardserve_scheduler.core.catalog import default_method
+from shardserve_scheduler.core.requests import Call
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferRequest
-from shardserve.tensors import Tensor
-from shardserve_scheduler.actions import Reply
+from shardserve.wire.protocol import InferRequest
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core.actions import Reply
 from shardserve_scheduler.service import SchedulerService
 from shardserve_scheduler.settings import parse_settings
 

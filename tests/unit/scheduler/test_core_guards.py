@@ -24,11 +24,11 @@ from test_serving_features import (
 )
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferReply
-from shardserve.tensors import Tensor
-from shardserve_scheduler import batching, requests
-from shardserve_scheduler.actions import PublishStageWork, Reply, RunPython
-from shardserve_scheduler.pystages import run_python_task
+from shardserve.wire.protocol import InferReply
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core import batching, requests
+from shardserve_scheduler.core.actions import PublishStageWork, Reply, RunPython
+from shardserve_scheduler.core.pystages import run_python_task
 
 
 def failing_on_call(number: int, real: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,9 +9,9 @@ from typing import Any, cast
 
 import pytest
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import UnavailableError
+from shardserve.wire import topology
 from shardserve_scheduler import leadership
 from shardserve_scheduler.leadership import Leadership
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardserve_scheduler.registry import Registry
+from shardserve_scheduler.core.registry import Registry
 
 
 def build(kit: Any, rank_size: int = 2, **kwargs: Any) -> Registry:
@@ -135,7 +135,7 @@ def test_bye_makes_the_rank_missing(kit: Any) -> None:
     reg = build(kit)
     kit.join(reg, 0, 0.0)
     bye = kit.hello(0)
-    from shardserve.protocol import AgentBye
+    from shardserve.wire.protocol import AgentBye
 
     loss = reg.bye(AgentBye(**bye.model_dump(exclude={"kind"})))
     assert loss is not None and loss.ranks == (0,)

@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo
-from shardserve.repository import AllGatherOp, RunOp
-from shardserve.tensors import digest_tensors
-from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply
-from shardserve_scheduler.requests import RequestMachine
+from shardserve.repo.repository import AllGatherOp, RunOp
+from shardserve.wire.protocol import ErrorInfo
+from shardserve.wire.tensors import digest_tensors
+from shardserve_scheduler.core.actions import Action, Cancel, Log, PublishStageWork, Reply
+from shardserve_scheduler.core.requests import RequestMachine
 
 
 def machine(

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from shardserve.errors import ErrorCode, InferenceError
-from shardserve.protocol import TensorSpec
-from shardserve.repository import write_group
-from shardserve.signature import ANY_DATATYPE
-from shardserve.tensors import Tensor
-from shardserve_scheduler.catalog import Catalog, load_catalog
-from shardserve_scheduler.methods import ModelStep, PythonStep
-from shardserve_scheduler.registry import Registry
-from shardserve_scheduler.requests import RequestMachine
-from shardserve_scheduler.resolve import resolve
-from shardserve_scheduler.status import mesh_status
+from shardserve.repo.repository import write_group
+from shardserve.repo.signature import ANY_DATATYPE
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core.catalog import Catalog, load_catalog
+from shardserve_scheduler.core.methods import ModelStep, PythonStep
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import RequestMachine
+from shardserve_scheduler.core.resolve import resolve
+from shardserve_scheduler.core.status import mesh_status
 
 MODEL_CONFIG = """
 from shardserve.servable import add_stage, declare_servable, register_method

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from shardserve.errors import ErrorCode, InferenceError
-from shardserve.protocol import TensorSpec
-from shardserve.repository import write_group
-from shardserve.tensors import Tensor
-from shardserve_scheduler.catalog import load_catalog
-from shardserve_scheduler.registry import Registry
-from shardserve_scheduler.requests import RequestMachine
-from shardserve_scheduler.resolve import resolve
-from shardserve_scheduler.status import mesh_status
+from shardserve.repo.repository import write_group
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core.catalog import load_catalog
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import RequestMachine
+from shardserve_scheduler.core.resolve import resolve
+from shardserve_scheduler.core.status import mesh_status
 
 BOUNDED = TensorSpec(
     name="x", datatype="FP32", shape=(2, 3), min_value=0.0, max_value=1.0, max_shape=(2, 3)

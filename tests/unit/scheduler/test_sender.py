@@ -6,10 +6,10 @@ import asyncio
 import time
 from typing import Any
 
-from shardserve import topology
-from shardserve.protocol import InferReply, InferReplyBundle, StageWork
-from shardserve.tensors import Tensor
-from shardserve_scheduler.actions import PublishStageWork, Reply
+from shardserve.wire import topology
+from shardserve.wire.protocol import InferReply, InferReplyBundle, StageWork
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core.actions import PublishStageWork, Reply
 from shardserve_scheduler.sender import ActionSender, CancelConsumer
 
 

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import InferRequest, TensorSpec
-from shardserve.repository import GroupConfig, write_group
-from shardserve.signature import ANY_DATATYPE
-from shardserve.tensors import Tensor
-from shardserve_scheduler import batching, rescan
-from shardserve_scheduler.actions import Action, PublishStageWork, Reply, RunPython
-from shardserve_scheduler.catalog import load_catalog
-from shardserve_scheduler.methods import MethodPlan, ModelStep, PythonStep, default_method
-from shardserve_scheduler.pystages import PythonTask, run_python_task
-from shardserve_scheduler.registry import Registry
-from shardserve_scheduler.requests import Call, RequestMachine
-from shardserve_scheduler.resolve import resolve
+from shardserve.repo.repository import GroupConfig, write_group
+from shardserve.repo.signature import ANY_DATATYPE
+from shardserve.wire.protocol import InferRequest, TensorSpec
+from shardserve.wire.tensors import Tensor
+from shardserve_scheduler.core import batching, rescan
+from shardserve_scheduler.core.actions import Action, PublishStageWork, Reply, RunPython
+from shardserve_scheduler.core.catalog import load_catalog
+from shardserve_scheduler.core.methods import MethodPlan, ModelStep, PythonStep, default_method
+from shardserve_scheduler.core.pystages import PythonTask, run_python_task
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import Call, RequestMachine
+from shardserve_scheduler.core.resolve import resolve
 
 ANY = TensorSpec(name="a", datatype=ANY_DATATYPE, shape=())
 

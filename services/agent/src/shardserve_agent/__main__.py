@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from shardserve.errors import ChecksumError, ShardserveError, UnsafePathError
-from shardserve.lifecycle import run_service, setup_logging
-from shardserve.pack import missing_slice_message
-from shardserve.repository import (
+from shardserve.process.lifecycle import run_service, setup_logging
+from shardserve.repo.pack import missing_slice_message
+from shardserve.repo.repository import (
     GroupConfig,
     list_versions,
     load_group,

@@ -15,11 +15,11 @@ import os
 import socket
 import uuid
 
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import ShardserveError
-from shardserve.protocol import AgentHello, RegistrationVerdict
-from shardserve.repository import GroupConfig
-from shardserve.topology import (
+from shardserve.repo.repository import GroupConfig
+from shardserve.wire.protocol import AgentHello, RegistrationVerdict
+from shardserve.wire.topology import (
     CONTROL_EXCHANGE,
     KEY_AGENT_HELLO,
     Binding,

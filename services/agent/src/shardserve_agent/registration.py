@@ -14,10 +14,10 @@ import socket
 from collections.abc import Callable
 from typing import Any, Literal
 
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import ShardserveError
-from shardserve.protocol import AgentBye, AgentHeartbeat, AgentHello, RegistrationVerdict
-from shardserve.topology import (
+from shardserve.wire.protocol import AgentBye, AgentHeartbeat, AgentHello, RegistrationVerdict
+from shardserve.wire.topology import (
     CONTROL_EXCHANGE,
     KEY_AGENT_BYE,
     KEY_AGENT_HEARTBEAT,

@@ -15,9 +15,9 @@ import uuid
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve.broker import Broker
-from shardserve.collective import CollectiveHub
-from shardserve.protocol import (
+from shardserve.amqp.broker import Broker
+from shardserve.amqp.collective import CollectiveHub
+from shardserve.wire.protocol import (
     CollectivePart,
     JobCancel,
     Message,
@@ -25,7 +25,7 @@ from shardserve.protocol import (
     SchedulerHello,
     StageResult,
 )
-from shardserve.topology import (
+from shardserve.wire.topology import (
     COLLECTIVE_EXCHANGE,
     agent_bindings,
     agent_collective_queue,

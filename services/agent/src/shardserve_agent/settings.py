@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.compile_cache import CACHE_MODES, CacheMode
-from shardserve.cores import usable_cores
-from shardserve.settings import (
+from shardserve.process.cores import usable_cores
+from shardserve.process.settings import (
     BrokerSettings,
     env_default,
     env_flag,
@@ -22,6 +21,7 @@ from shardserve.settings import (
     positive_int,
     threads_count,
 )
+from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode
 
 ENV_PREFIX = "SHARDSERVE_AGENT_"
 
@@ -45,7 +45,7 @@ CACHE_MODE_HELP = (
     "onnxruntime maps into memory and runs from directly (weight prepacking off, no memory "
     "arena), so the weights are clean file pages instead of a private copy. A missing "
     "artefact falls back to the regular load (logged) and is written for the next start. "
-    "See shardserve.compile_cache."
+    "See shardserve.runtime.compile_cache."
 )
 SHARE_WEIGHTS_HELP = (
     "hold one copy of a weight that several of this rank's segments contain (same name, "

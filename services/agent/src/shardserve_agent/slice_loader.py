@@ -6,7 +6,7 @@ checked against its sha256; sessions are opened only for the segments the stage 
 runs, after ``check_external_data`` proved each one's external data stays in the rank
 folder and is among the checksummed files. Weights several segments share are loaded
 once. Which segments, their cache identities and their shared weights follow the one rule
-of ``shardserve.segments`` (``shardserve warmup`` and ``shardserve.lite`` use it too, so
+of ``shardserve.runtime.segments`` (``shardserve warmup`` and ``shardserve.lite`` use it too, so
 their compile-cache entries are hits here).
 """
 
@@ -18,12 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig
 from shardserve.errors import RepositoryError
-from shardserve.heap import return_freed_memory
-from shardserve.pack import missing_slice_message
-from shardserve.program import OrtSegment
-from shardserve.repository import (
+from shardserve.process.heap import return_freed_memory
+from shardserve.repo.pack import missing_slice_message
+from shardserve.repo.repository import (
     GroupConfig,
     StageSpec,
     list_versions,
@@ -32,7 +30,9 @@ from shardserve.repository import (
     rank_dir,
     verify_rank_files,
 )
-from shardserve.segments import (
+from shardserve.runtime.compile_cache import CacheStatus, CompileCache, SessionConfig
+from shardserve.runtime.program import OrtSegment
+from shardserve.runtime.segments import (
     Segment,
     SharedWeights,
     find_shared_weights,

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve.collective import CollectiveHub, JobCancelledError, JobCollective
+from shardserve.amqp.collective import CollectiveHub, JobCancelledError, JobCollective
 from shardserve.errors import ErrorCode, InferenceError, ShardserveError
-from shardserve.lifecycle import request_id_var
-from shardserve.program import Env, run_stage
-from shardserve.protocol import ErrorInfo, Message, StageResult, StageWork
-from shardserve.tensors import Tensor, digest_mismatch, digest_tensors, tensor_bytes
+from shardserve.process.lifecycle import request_id_var
+from shardserve.runtime.program import Env, run_stage
+from shardserve.wire.protocol import ErrorInfo, Message, StageResult, StageWork
+from shardserve.wire.tensors import Tensor, digest_mismatch, digest_tensors, tensor_bytes
 from shardserve_agent.slice_loader import LoadedSlice
 
 _logger = logging.getLogger(__name__)

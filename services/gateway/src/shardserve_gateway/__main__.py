@@ -15,7 +15,7 @@ import sys
 from aiohttp import web
 
 from shardserve.errors import ShardserveError
-from shardserve.lifecycle import run_service, setup_logging
+from shardserve.process.lifecycle import run_service, setup_logging
 from shardserve_gateway.app import create_app
 from shardserve_gateway.settings import GatewaySettings, build_parser
 from shardserve_gateway.state import INFLIGHT_KEY, MESH_VIEW_KEY

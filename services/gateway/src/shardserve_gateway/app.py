@@ -5,8 +5,8 @@ entries, started in order and torn down in reverse: broker connection -> status
 consumer (mesh view) -> reply consumer (dispatcher). Unit tests pass their own
 dispatcher and mesh view; then no broker is opened at all.
 
-Routes: KServe v2 (``kserve``), its model repository extension (``repository_ext``),
-MindSpore REST (``mindspore_rest``), the status page, ``/api/status``,
+Routes: KServe v2 (``kserve``), its model repository extension (``repository``),
+MindSpore REST (``mindspore``), the status page, ``/api/status``,
 ``/api/timeseries`` and ``/metrics`` (``observability``), and ``/openapi.json``
 (``openapi``), which documents all of them.
 """
@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from shardserve.broker import Broker
-from shardserve_gateway import kserve, mindspore_rest, observability, openapi, repository_ext
+from shardserve.amqp.broker import Broker
 from shardserve_gateway.auth import make_auth_middleware
 from shardserve_gateway.dispatch import AmqpDispatcher, Dispatcher
 from shardserve_gateway.mesh_view import MeshView, consume_status
 from shardserve_gateway.metrics import Metrics
 from shardserve_gateway.middleware import request_context, translate_errors
+from shardserve_gateway.routes import kserve, mindspore, observability, openapi, repository
 from shardserve_gateway.settings import GatewaySettings
 from shardserve_gateway.state import (
     DISPATCHER_KEY,
@@ -65,8 +65,8 @@ def create_app(
     else:
         app[DISPATCHER_KEY] = dispatcher
     kserve.add_routes(app)
-    repository_ext.add_routes(app)
-    mindspore_rest.add_routes(app)
+    repository.add_routes(app)
+    mindspore.add_routes(app)
     observability.add_routes(app)
     openapi.add_routes(app)
     return app

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shardserve.errors import InferenceError, UnavailableError
-from shardserve.protocol import BundledRequest, InferRequest, InferRequestBundle
+from shardserve.wire.protocol import BundledRequest, InferRequest, InferRequestBundle
 
 _logger = logging.getLogger(__name__)
 

@@ -37,8 +37,7 @@ from typing import Any, Protocol
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import codec, topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import (
     BadInputError,
     DeadlineError,
@@ -47,7 +46,8 @@ from shardserve.errors import (
     OverloadedError,
     UnavailableError,
 )
-from shardserve.protocol import (
+from shardserve.wire import codec, topology
+from shardserve.wire.protocol import (
     InferReply,
     InferReplyBundle,
     InferRequest,

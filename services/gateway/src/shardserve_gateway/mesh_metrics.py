@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shardserve.protocol import MeshStatus, RankStatus, ServableStatus
+from shardserve.wire.protocol import MeshStatus, RankStatus, ServableStatus
 
 RANK_STATES = ("missing", "loading", "ready", "draining", "lost")
 SERVABLE_STATES = ("loading", "available", "unloading", "failed")

@@ -25,11 +25,17 @@ from dataclasses import dataclass
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import NotFoundError, UnavailableError
-from shardserve.lifecycle import set_within
-from shardserve.protocol import MeshStatus, Message, MethodStatus, SchedulerHello, ServableStatus
+from shardserve.process.lifecycle import set_within
+from shardserve.wire import topology
+from shardserve.wire.protocol import (
+    MeshStatus,
+    Message,
+    MethodStatus,
+    SchedulerHello,
+    ServableStatus,
+)
 
 _logger = logging.getLogger(__name__)
 

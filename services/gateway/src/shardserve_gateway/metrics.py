@@ -30,7 +30,7 @@ import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from shardserve.protocol import MeshStatus
+from shardserve.wire.protocol import MeshStatus
 from shardserve_gateway.mesh_metrics import render_mesh
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (

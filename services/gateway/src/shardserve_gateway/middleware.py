@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from shardserve.errors import ErrorCode, InferenceError
-from shardserve.lifecycle import request_id_var
+from shardserve.process.lifecycle import request_id_var
 from shardserve_gateway.errors import ClientGoneError, HttpError
 from shardserve_gateway.responses import error_response
 from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY, TIMESERIES_KEY

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.settings import BrokerSettings, env_default, env_flag
+from shardserve.process.settings import BrokerSettings, env_default, env_flag
 
 ENV_PREFIX = "SHARDSERVE_GATEWAY_"
 MAX_TIMEOUT_S = 300.0

@@ -6,7 +6,7 @@ import logging
 import sys
 
 from shardserve.errors import RepositoryError
-from shardserve.lifecycle import run_service, setup_logging
+from shardserve.process.lifecycle import run_service, setup_logging
 from shardserve_scheduler.service import SchedulerService
 from shardserve_scheduler.settings import parse_settings
 

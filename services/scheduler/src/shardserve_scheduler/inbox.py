@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import UnavailableError
+from shardserve.wire import topology
 
 _logger = logging.getLogger(__name__)
 

@@ -31,10 +31,10 @@ from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
-from shardserve.protocol import SchedulerHello
+from shardserve.wire import topology
+from shardserve.wire.protocol import SchedulerHello
 
 _logger = logging.getLogger(__name__)
 

@@ -24,11 +24,11 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from shardserve.protocol import RegistrationVerdict, RepositoryCommand
-from shardserve_scheduler import rescan
-from shardserve_scheduler.catalog import Catalog, GroupKey
-from shardserve_scheduler.registry import Registry
-from shardserve_scheduler.requests import RequestMachine
+from shardserve.wire.protocol import RegistrationVerdict, RepositoryCommand
+from shardserve_scheduler.core import rescan
+from shardserve_scheduler.core.catalog import Catalog, GroupKey
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import RequestMachine
 
 _logger = logging.getLogger(__name__)
 

@@ -19,12 +19,19 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
-from shardserve.lifecycle import request_id_var
-from shardserve.protocol import BundledReply, InferReplyBundle, RegistrationVerdict
-from shardserve_scheduler.actions import Action, Cancel, Log, PublishStageWork, Reply, RunPython
+from shardserve.process.lifecycle import request_id_var
+from shardserve.wire import topology
+from shardserve.wire.protocol import BundledReply, InferReplyBundle, RegistrationVerdict
+from shardserve_scheduler.core.actions import (
+    Action,
+    Cancel,
+    Log,
+    PublishStageWork,
+    Reply,
+    RunPython,
+)
 
 _logger = logging.getLogger(__name__)
 

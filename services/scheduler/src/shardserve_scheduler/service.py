@@ -38,11 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve import topology
-from shardserve.broker import Broker
+from shardserve.amqp.broker import Broker
 from shardserve.errors import ErrorCode, InferenceError
-from shardserve.lifecycle import request_id_var
-from shardserve.protocol import (
+from shardserve.process.lifecycle import request_id_var
+from shardserve.wire import topology
+from shardserve.wire.protocol import (
     AgentBye,
     AgentHeartbeat,
     AgentHello,
@@ -54,18 +54,18 @@ from shardserve.protocol import (
     SchedulerHello,
     StageResult,
 )
-from shardserve_scheduler.actions import Action, RunPython, bug_message, error_reply
-from shardserve_scheduler.catalog import Catalog, load_catalog, log_catalog
+from shardserve_scheduler.core.actions import Action, RunPython, bug_message, error_reply
+from shardserve_scheduler.core.catalog import Catalog, load_catalog, log_catalog
+from shardserve_scheduler.core.pystages import run_python_task
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import RequestMachine
+from shardserve_scheduler.core.resolve import resolve
+from shardserve_scheduler.core.status import mesh_status
 from shardserve_scheduler.inbox import unbind_other_request_queue
 from shardserve_scheduler.leadership import Leadership
-from shardserve_scheduler.pystages import run_python_task
-from shardserve_scheduler.registry import Registry
 from shardserve_scheduler.repository_changes import RepositoryChanges
-from shardserve_scheduler.requests import RequestMachine
-from shardserve_scheduler.resolve import resolve
 from shardserve_scheduler.sender import ActionSender, CancelConsumer, SendVerdict
 from shardserve_scheduler.settings import SchedulerSettings
-from shardserve_scheduler.status import mesh_status
 
 _logger = logging.getLogger(__name__)
 

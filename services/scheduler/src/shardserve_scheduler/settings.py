@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve import topology
-from shardserve.settings import (
+from shardserve.process.settings import (
     BrokerSettings,
     env_default,
     non_negative_float,
@@ -22,6 +21,7 @@ from shardserve.settings import (
     positive_float,
     positive_int,
 )
+from shardserve.wire import topology
 
 ENV_PREFIX = "SHARDSERVE_SCHEDULER_"
 

@@ -14,7 +14,7 @@ a consumer never waits for another channel's restore to get its bindings back.
 
 With several broker URLs (a cluster's nodes, comma-separated in SHARDSERVE_AMQP_URL) the
 first connect tries them in order, and the robust connection's reconnect attempts move
-to the next URL after each failure (``shardserve.failover.FailoverConnection``): still
+to the next URL after each failure (``shardserve.amqp.failover.FailoverConnection``): still
 one reconnect path.
 """
 
@@ -38,12 +38,12 @@ from aio_pika.abc import (
 )
 from aiormq import spec
 
-from shardserve import chunking, codec
+from shardserve.amqp.failover import FailoverConnection
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
-from shardserve.failover import FailoverConnection
-from shardserve.protocol import Message
-from shardserve.settings import BrokerSettings
-from shardserve.topology import EXCHANGES, Binding, Queue
+from shardserve.process.settings import BrokerSettings
+from shardserve.wire import chunking, codec
+from shardserve.wire.protocol import Message
+from shardserve.wire.topology import EXCHANGES, Binding, Queue
 
 _logger = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class Broker:
             # normally done at once.
             async with asyncio.timeout(self._settings.publish_timeout_s):
                 underlay = await channel.get_underlay_channel()
-            # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.chunking).
+            # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.wire.chunking).
             pieces = [body] if isinstance(body, bytes) else body
             for part, headers in chunking.split_pieces(pieces, chunking.max_message_bytes()):
                 properties = spec.Basic.Properties(

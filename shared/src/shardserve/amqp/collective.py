@@ -67,8 +67,8 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from shardserve.errors import DeadlineError, ShardserveError
-from shardserve.protocol import CollectivePart
-from shardserve.tensors import Tensor
+from shardserve.wire.protocol import CollectivePart
+from shardserve.wire.tensors import Tensor
 
 _logger = logging.getLogger(__name__)
 

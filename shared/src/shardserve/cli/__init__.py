@@ -1,8 +1,8 @@
 """The ``shardserve`` command: export and slice models, run the services, launch a mesh.
 
 Subcommands are registered from ``SUBCOMMANDS`` (name -> builder), so a new one is one
-function and one dict entry; the builders of each command group live in
-``shardserve.commands`` (``models``: export, slice, pack; ``mesh``: up, status) or next
+function and one dict entry; the builders of each command group live beside this module
+(``models``: export, slice, pack; ``serve``: up, status; ``common``: what they share) or next
 to the feature (chaos, run-rank, warmup). The service subcommands (``gateway``,
 ``scheduler``, ``agent``) replace this process with ``python -m shardserve_<svc> ARGS...``:
 the CLI never imports service code, and each service keeps its own parser (``--help``
@@ -20,12 +20,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from shardserve.commands.common import EXIT_USAGE, Handler, describe_group
-from shardserve.commands.mesh import build_status, build_up
-from shardserve.commands.models import build_export, build_pack, build_slice
+from shardserve.cli.common import EXIT_USAGE, Handler, describe_group
+from shardserve.cli.models import build_export, build_pack, build_slice
+from shardserve.cli.serve import build_status, build_up
 
 if TYPE_CHECKING:
-    from shardserve.commands.common import Subparsers
+    from shardserve.cli.common import Subparsers
 
 SERVICES = ("gateway", "scheduler", "agent")
 
@@ -62,19 +62,19 @@ def _service_builder(service: str) -> Callable[[Subparsers], None]:
 
 
 def _build_chaos(subparsers: Subparsers) -> None:
-    from shardserve.chaos import build_chaos
+    from shardserve.ops.chaos import build_chaos
 
     build_chaos(subparsers)
 
 
 def _build_run_rank(subparsers: Subparsers) -> None:
-    from shardserve.runrank import build_run_rank
+    from shardserve.lite.run_rank import build_run_rank
 
     build_run_rank(subparsers)
 
 
 def _build_warmup(subparsers: Subparsers) -> None:
-    from shardserve.warmup import build_warmup
+    from shardserve.ops.warmup import build_warmup
 
     build_warmup(subparsers)
 
@@ -116,7 +116,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(args_list)
     handler: Handler = args.handler
     return handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

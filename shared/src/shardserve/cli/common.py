@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:
-    from shardserve.repository import GroupConfig
+    from shardserve.repo.repository import GroupConfig
 
     Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 

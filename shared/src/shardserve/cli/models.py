@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardserve.commands.common import (
+from shardserve.cli.common import (
     EXIT_USAGE,
     Handler,
     describe_group,
@@ -19,12 +19,12 @@ from shardserve.commands.common import (
 )
 
 if TYPE_CHECKING:
-    from shardserve.commands.common import Subparsers
-    from shardserve.repository import GroupConfig
+    from shardserve.cli.common import Subparsers
+    from shardserve.repo.repository import GroupConfig
 
 
 def _already_exported(out: Path, name: str, version: int) -> bool:
-    from shardserve.launch.plan import repository_version_is_valid
+    from shardserve.ops.launch.plan import repository_version_is_valid
 
     return repository_version_is_valid(out, name, version)
 
@@ -76,13 +76,13 @@ def _export(
 
 
 def _export_matmul(args: argparse.Namespace) -> int:
-    from shardserve.export.matmul import export_matmul
+    from shardserve.tools.export.matmul import export_matmul
 
     return _export("export matmul", export_matmul, args, strategy=args.strategy)
 
 
 def _export_mlp(args: argparse.Namespace) -> int:
-    from shardserve.export.mlp import export_mlp
+    from shardserve.tools.export.mlp import export_mlp
 
     return _export(
         "export mlp",
@@ -97,7 +97,7 @@ def _export_mlp(args: argparse.Namespace) -> int:
 
 
 def _export_transformer(args: argparse.Namespace) -> int:
-    from shardserve.export.transformer import export_transformer
+    from shardserve.tools.export.transformer import export_transformer
 
     return _export(
         "export transformer",
@@ -163,7 +163,7 @@ def build_export(subparsers: Subparsers) -> None:
 
 def _run_slice(args: argparse.Namespace) -> int:
     from shardserve.errors import ExportError, RepositoryError
-    from shardserve.slicing import tensor_parallel
+    from shardserve.tools.slicing import tensor_parallel
 
     try:
         group, report = tensor_parallel(
@@ -210,7 +210,7 @@ def build_slice(subparsers: Subparsers) -> None:
 
 def _run_pack(args: argparse.Namespace) -> int:
     from shardserve.errors import RepositoryError
-    from shardserve.pack import describe_packed, pack_bundle, parse_ranks
+    from shardserve.repo.pack import describe_packed, pack_bundle, parse_ranks
 
     try:
         ranks = parse_ranks(args.ranks)

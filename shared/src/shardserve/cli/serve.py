@@ -1,5 +1,5 @@
 """``shardserve up`` (run a whole mesh here, supervised) and ``shardserve status`` (its
-rank x stage grid); the work is done by ``shardserve.launcher`` and ``shardserve.launch``."""
+rank x stage grid); the work is done by ``shardserve.ops.launch``."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardserve.commands.common import positive_int
-from shardserve.settings import threads_count
+from shardserve.cli.common import positive_int
+from shardserve.process.settings import threads_count
 
 if TYPE_CHECKING:
-    from shardserve.commands.common import Subparsers
+    from shardserve.cli.common import Subparsers
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from shardserve.launch.plan import UpOptions
-    from shardserve.launcher import run_up
+    from shardserve.ops.launch.plan import UpOptions
+    from shardserve.ops.launch.up import run_up
 
     options = UpOptions(
         repository=args.repository,
@@ -94,7 +94,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from shardserve.launch.status import StatusUnavailable, fetch_status, format_status
+    from shardserve.ops.launch.status import StatusUnavailable, fetch_status, format_status
 
     try:
         status = fetch_status(args.url, timeout=args.timeout)

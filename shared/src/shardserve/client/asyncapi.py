@@ -16,17 +16,18 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from shardserve import __version__, topology
-from shardserve.codec import CONTENT_TYPE
+from shardserve import __version__
 from shardserve.errors import ErrorCode, http_status
-from shardserve.protocol import (
+from shardserve.wire import topology
+from shardserve.wire.codec import CONTENT_TYPE
+from shardserve.wire.protocol import (
     SCHEMA_VERSION,
     InferReply,
     InferReplyBundle,
     InferRequest,
     InferRequestBundle,
 )
-from shardserve.tensors import BYTES_DTYPE, DTYPE_TO_DATATYPE
+from shardserve.wire.tensors import BYTES_DTYPE, DTYPE_TO_DATATYPE
 
 ASYNCAPI_VERSION = "2.6.0"
 AMQP_BINDING_VERSION = "0.2.0"

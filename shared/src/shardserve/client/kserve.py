@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import BadInputError, InternalError
-from shardserve.tensors import DATATYPE_TO_DTYPE, pack_bytes_elements, unpack_bytes_elements
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, pack_bytes_elements, unpack_bytes_elements
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 

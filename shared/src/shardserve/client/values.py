@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import BadInputError
-from shardserve.tensors import BYTES_DTYPE, DTYPE_TO_DATATYPE
+from shardserve.wire.tensors import BYTES_DTYPE, DTYPE_TO_DATATYPE
 
 Instance = Mapping[str, Any]
 

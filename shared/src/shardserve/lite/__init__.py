@@ -1,7 +1,7 @@
 """MindSpore Lite's distributed-inference flow on shardserve slices, without a serving layer.
 
 One process per rank, the same input to each; the ranks meet over RabbitMQ by a shared
-run id and do their collectives and stage hand-offs directly (``shardserve.lite.mesh``).
+run id and do their collectives and stage hand-offs directly (``shardserve.lite.wire``).
 ``shardserve run-rank`` is this API on the command line.
 """
 

@@ -7,7 +7,7 @@ Sections and keys (all optional; unknown ones are refused so a typo never goes u
     dir = /var/cache/mm     ; one folder for every rank (entries are keyed by rank);
                             ; default: the agent's per-rank folder
                             ; $XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<r>
-    mode = standard         ; standard | mem_opt (see shardserve.compile_cache)
+    mode = standard         ; standard | mem_opt (see shardserve.runtime.compile_cache)
 
     [session]
     intra_op_threads = 1    ; onnxruntime threads per segment (part of the cache key)
@@ -21,8 +21,8 @@ import configparser
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.compile_cache import CACHE_MODES, CacheMode
 from shardserve.lite.errors import ConfigFileError
+from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode
 
 KNOWN_KEYS: dict[str, frozenset[str]] = {
     "cache": frozenset({"enabled", "dir", "mode"}),

@@ -11,10 +11,10 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shardserve.compile_cache import CacheMode
 from shardserve.lite.config import RunConfig
 from shardserve.lite.errors import LiteError
-from shardserve.settings import BrokerSettings
+from shardserve.process.settings import BrokerSettings
+from shardserve.runtime.compile_cache import CacheMode
 
 RUN_ID_ENV = "SHARDSERVE_RUN_ID"
 DEFAULT_TIMEOUT_S = 60.0

@@ -11,7 +11,7 @@
 
 ``build_from_file`` verifies and compiles the rank's slice (through the compile cache)
 and, when the group has more than one rank, joins the run's other ranks over RabbitMQ
-(see ``shardserve.lite.mesh``). Every rank is given the same input; ranks of stage 0
+(see ``shardserve.lite.wire``). Every rank is given the same input; ranks of stage 0
 compute from it, ranks of later stages from the previous stage's output. ``predict``
 returns the rank's stage outputs (the model's outputs on the last stage).
 """
@@ -26,17 +26,22 @@ from types import TracebackType
 
 import numpy as np
 
-from shardserve.collective import JobCancelledError
-from shardserve.compile_cache import CacheStatus, CompileCache, SessionConfig, default_cache_dir
+from shardserve.amqp.collective import JobCancelledError
 from shardserve.lite.config import RunConfig, load_config
 from shardserve.lite.context import Context
 from shardserve.lite.errors import LiteError, PeerFailedError
 from shardserve.lite.loop import LoopThread
-from shardserve.lite.mesh import RunMesh
 from shardserve.lite.slice import SliceLocation, load_version, locate, open_slice
 from shardserve.lite.tensor import Tensor
-from shardserve.program import Collective, Env, OrtSegment, run_stage
-from shardserve.repository import GroupConfig, StageSpec
+from shardserve.lite.wire import RunMesh
+from shardserve.repo.repository import GroupConfig, StageSpec
+from shardserve.runtime.compile_cache import (
+    CacheStatus,
+    CompileCache,
+    SessionConfig,
+    default_cache_dir,
+)
+from shardserve.runtime.program import Collective, Env, OrtSegment, run_stage
 
 _logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The model path is either a version folder of a model repository
 (``models/matmul/1``, then the rank comes from the context) or one rank's folder
 (``models/matmul/1/rank_3``, which names the rank itself). Only that rank's files (and
 the version's group.json) are read; every file is checked against its sha256 first.
-Segments, cache identities and shared weights follow ``shardserve.segments`` (the agent's
+Segments, cache identities and shared weights follow ``shardserve.runtime.segments`` (the agent's
 rule), so the compile-cache keys agree.
 """
 
@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shardserve.compile_cache import CacheStatus, CompileCache
 from shardserve.lite.errors import ModelPathError
-from shardserve.program import OrtSegment
-from shardserve.repository import GROUP_FILE, GroupConfig, load_group
-from shardserve.segments import find_shared_weights, open_segments, rank_segments
+from shardserve.repo.repository import GROUP_FILE, GroupConfig, load_group
+from shardserve.runtime.compile_cache import CacheStatus, CompileCache
+from shardserve.runtime.program import OrtSegment
+from shardserve.runtime.segments import find_shared_weights, open_segments, rank_segments
 
 _RANK_FOLDER = re.compile(r"rank_(\d+)")
 

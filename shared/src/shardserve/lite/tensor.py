@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardserve.lite.errors import LiteError
-from shardserve.protocol import TensorSpec
-from shardserve.tensors import DATATYPE_TO_DTYPE
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE
 
 
 class Tensor:

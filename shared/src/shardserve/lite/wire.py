@@ -40,12 +40,14 @@ from urllib.parse import urlsplit, urlunsplit
 from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError, ChannelClosed
 
-from shardserve.broker import Broker
-from shardserve.collective import MIN_SHARD_BYTES, CollectiveHub
+from shardserve.amqp.broker import Broker
+from shardserve.amqp.collective import MIN_SHARD_BYTES, CollectiveHub
 from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
-from shardserve.program import Env
-from shardserve.protocol import (
+from shardserve.process.settings import BrokerSettings
+from shardserve.repo.repository import GroupConfig
+from shardserve.runtime.program import Env
+from shardserve.wire.protocol import (
     AgentHello,
     CollectivePart,
     ErrorInfo,
@@ -53,10 +55,8 @@ from shardserve.protocol import (
     StageResult,
     StageWork,
 )
-from shardserve.repository import GroupConfig
-from shardserve.settings import BrokerSettings
-from shardserve.tensors import Tensor, digest_mismatch, digest_tensors
-from shardserve.topology import COLLECTIVE_EXCHANGE, Binding, Queue
+from shardserve.wire.tensors import Tensor, digest_mismatch, digest_tensors
+from shardserve.wire.topology import COLLECTIVE_EXCHANGE, Binding, Queue
 
 _logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from shardserve.settings import AMQP_URL_ENV, DEFAULT_AMQP_URL
+from shardserve.process.settings import AMQP_URL_ENV, DEFAULT_AMQP_URL
 
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
 READY_PATH = "/v2/health/ready"

@@ -1,13 +1,13 @@
 """``shardserve warmup``: build every rank's compile cache ahead of time.
 
 For each servable, version and rank of a repository, open the rank's segments through
-``shardserve.compile_cache`` exactly as an agent (or ``run-rank``) would, so the entries
+``shardserve.runtime.compile_cache`` exactly as an agent (or ``run-rank``) would, so the entries
 carry the same keys and a shipped cache is a hit at start. Folders: ``--cache-dir DIR``
 puts every rank's entries in DIR (give the agents the same ``--cache-dir``, or the same
 ``[cache] dir`` to run-rank); without it each rank gets the agent's default folder
 ``$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<r>``. The key includes the
 onnxruntime version, the CPU's features, the thread count, the mode and the weights a
-rank's segments share (``shardserve.segments``, the agent's rule): warm up on the machine
+rank's segments share (``shardserve.runtime.segments``, the agent's rule): warm up on the machine
 type (and with the ``--threads`` and ``--share-weights``) the agents will use.
 """
 
@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from shardserve.errors import RepositoryError
-from shardserve.settings import threads_count
+from shardserve.process.settings import threads_count
 
 if TYPE_CHECKING:
-    from shardserve.compile_cache import CacheMode, SessionConfig
-    from shardserve.repository import GroupConfig
+    from shardserve.repo.repository import GroupConfig
+    from shardserve.runtime.compile_cache import CacheMode, SessionConfig
 
 # onnxruntime and pydantic are imported when the command runs, so building the
 # ``shardserve`` parser stays fast.
-MODES = ("standard", "mem_opt")  # shardserve.compile_cache.CACHE_MODES (a test keeps them equal)
+MODES = (
+    "standard",
+    "mem_opt",
+)  # shardserve.runtime.compile_cache.CACHE_MODES (a test keeps them equal)
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -65,8 +68,8 @@ def warm_rank(
 ) -> RankWarmup:
     """Open (and so cache) one rank's segments as the agent does (same identities, same
     shared weights, so the same keys); the sessions are dropped right after."""
-    from shardserve.compile_cache import CompileCache
-    from shardserve.segments import (
+    from shardserve.runtime.compile_cache import CompileCache
+    from shardserve.runtime.segments import (
         SharedWeights,
         find_shared_weights,
         open_segments,
@@ -85,7 +88,7 @@ def warm_rank(
 
 def groups_of(repo: Path, servable: str | None, version: int | None) -> Iterator[GroupConfig]:
     """Every version's group config of the repository (or of one servable / version)."""
-    from shardserve.repository import list_servables, list_versions, load_group
+    from shardserve.repo.repository import list_servables, list_versions, load_group
 
     names = [servable] if servable is not None else list_servables(repo)
     for name in names:
@@ -108,7 +111,7 @@ def warmup(
     report: Callable[[RankWarmup], None] = lambda _: None,
 ) -> list[RankWarmup]:
     """Warm every selected rank, reporting each as it is done."""
-    from shardserve.compile_cache import SessionConfig, default_cache_dir
+    from shardserve.runtime.compile_cache import SessionConfig, default_cache_dir
 
     config = SessionConfig(intra_op_threads=threads, inter_op_threads=1, mode=mode)
     results: list[RankWarmup] = []
@@ -154,7 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def up_threads(repo: Path) -> int:
     """The thread count ``shardserve up`` gives each agent of ``repo`` here: its own rule
     (``with_agent_threads``) over the versions it would find at start."""
-    from shardserve.launch.plan import UpOptions, discover_groups, with_agent_threads
+    from shardserve.ops.launch.plan import UpOptions, discover_groups, with_agent_threads
 
     agents = sum(group.rank_size for group in discover_groups(repo))
     options, _ = with_agent_threads(UpOptions(), agents)

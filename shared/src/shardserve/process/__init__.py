@@ -1,1 +1,1 @@
-"""How a shardserve process runs: settings, cores, event loop, lifecycle, heap, child supervision."""
+"""How a shardserve process runs: settings, cores, event loop, lifecycle, heap, children."""

@@ -16,8 +16,8 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 
-from shardserve.eventloop import configured_loop_factory
-from shardserve.heap import keep_freed_memory
+from shardserve.process.eventloop import configured_loop_factory
+from shardserve.process.heap import keep_freed_memory
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -48,7 +48,7 @@ def setup_logging(service: str, level: str | None = None) -> None:
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     """Run ``main(stop)`` on a fresh loop (uvloop unless SHARDSERVE_EVENT_LOOP=asyncio);
     SIGTERM/SIGINT set ``stop``. Returns an exit code. The C heap is tuned for serving
-    first (``shardserve.heap.keep_freed_memory``)."""
+    first (``shardserve.process.heap.keep_freed_memory``)."""
     keep_freed_memory()
 
     async def runner() -> None:

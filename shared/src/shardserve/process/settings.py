@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar, overload
 
-from shardserve.cores import parse_threads
+from shardserve.process.cores import parse_threads
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 AMQP_URL_ENV = "SHARDSERVE_AMQP_URL"
@@ -90,7 +90,7 @@ def positive_int(text: str) -> int:
 
 def threads_count(text: str) -> int | None:
     """argparse type: onnxruntime threads, a count >= 1 or ``auto`` (None: from the cores,
-    see ``shardserve.cores``)."""
+    see ``shardserve.process.cores``)."""
     try:
         return parse_threads(text)
     except ValueError as exc:

@@ -1,1 +1,1 @@
-"""The model repository format: versions and group config, signatures, external data, per-host packs."""
+"""The model repository format: versions, group config, signatures, external data, packs."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.errors import RepositoryError
-from shardserve.repository import (
+from shardserve.repo.repository import (
     GROUP_FILE,
     RANK_TABLE_FILE,
     SERVABLE_CONFIG_FILE,

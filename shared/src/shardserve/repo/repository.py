@@ -23,7 +23,7 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardserve.errors import ChecksumError, RepositoryError, UnsafePathError
-from shardserve.protocol import TensorSpec
+from shardserve.wire.protocol import TensorSpec
 
 GROUP_FORMAT: Final = "shardserve.group/1"
 GROUP_FILE = "group.json"

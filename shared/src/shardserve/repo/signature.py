@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from shardserve.errors import BadInputError
-from shardserve.protocol import TensorSpec
-from shardserve.tensors import DATATYPE_TO_DTYPE, Tensor
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, Tensor
 
 ANY_DATATYPE = "ANY"  # a Python-stage method input whose type is not known statically
 

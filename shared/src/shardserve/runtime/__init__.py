@@ -1,1 +1,1 @@
-"""Running a rank's slice: the stage program interpreter, its ONNX segments and their compile cache."""
+"""Running a rank's slice: the stage program interpreter, its segments, their compile cache."""

@@ -54,8 +54,8 @@ from typing import Literal
 
 import onnxruntime as ort
 
-from shardserve.repository import sha256_file
-from shardserve.slicing.external import check_external_data
+from shardserve.repo.external import check_external_data
+from shardserve.repo.repository import sha256_file
 
 _logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardserve.collective import sum_in_rank_order
-from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
-from shardserve.tensors import BF16_DTYPE, is_bfloat16
+from shardserve.amqp.collective import sum_in_rank_order
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
+from shardserve.wire.tensors import BF16_DTYPE, is_bfloat16
 
 Env = dict[str, np.ndarray]
 
@@ -258,7 +258,7 @@ def _to_numpy(value: Any) -> np.ndarray:
     refuses it) into an ml_dtypes.bfloat16 array."""
     if value.data_type() != "tensor(bfloat16)":
         return value.numpy()
-    from shardserve.tensors import numpy_dtype  # imports ml_dtypes only when needed
+    from shardserve.wire.tensors import numpy_dtype  # imports ml_dtypes only when needed
 
     shape = tuple(value.shape())
     raw = ctypes.string_at(value.data_ptr(), 2 * math.prod(shape))
@@ -321,7 +321,7 @@ async def run_group_locally(
 ) -> list[Env]:
     """Run a whole group in this process: every stage, every rank. Returns, per last-stage
     rank, its outputs (they must all be equal). ``stacked``: as for ``run_stage``."""
-    from shardserve.repository import verify_rank_files
+    from shardserve.repo.repository import verify_rank_files
 
     make = session_factory or _default_session
     current: Env = dict(inputs)

@@ -31,17 +31,17 @@ import onnx
 import onnxruntime as ort
 from onnx import external_data_helper, numpy_helper
 
-from shardserve.compile_cache import CacheStatus, CompileCache
 from shardserve.errors import RepositoryError, UnsafePathError
-from shardserve.program import OrtSegment
-from shardserve.repository import (
+from shardserve.repo.external import check_external_data
+from shardserve.repo.repository import (
     GroupConfig,
     RunOp,
     StageSpec,
     rank_checksum,
     verify_rank_files,
 )
-from shardserve.slicing.external import check_external_data
+from shardserve.runtime.compile_cache import CacheStatus, CompileCache
+from shardserve.runtime.program import OrtSegment
 
 # Sharing a tiny tensor saves nothing and would turn prepacking off for no reason.
 MIN_SHARED_BYTES = 64 * 1024

@@ -1,1 +1,1 @@
-"""Building model repositories: the exporters, the slicer of existing ONNX models, and what they share."""
+"""Building model repositories: the exporters, the slicer of ONNX models, what they share."""

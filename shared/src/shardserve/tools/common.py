@@ -1,5 +1,5 @@
 """What every exporter shares: layout checks and the repository writer (the ONNX
-building is ``shardserve.export.onnx_graph``, re-exported here).
+building is ``shardserve.tools.onnx_graph``, re-exported here).
 
 Exporters describe a servable version as an ``ExportPlan`` (stages, programs, signature)
 plus a function giving each rank's segments; ``write_version`` writes the rank folders
@@ -21,18 +21,7 @@ from pathlib import Path
 import onnx
 
 from shardserve.errors import ExportError
-from shardserve.export.onnx_graph import (
-    IR_VERSION,
-    OPSET,
-    PRODUCER_NAME,
-    PRODUCER_VERSION,
-    GraphBuilder,
-    Shape,
-    finish_model,
-    model_bytes,
-)
-from shardserve.protocol import TensorSpec
-from shardserve.repository import (
+from shardserve.repo.repository import (
     RANK_TABLE_FILE,
     SERVABLE_CONFIG_FILE,
     GroupConfig,
@@ -44,6 +33,17 @@ from shardserve.repository import (
     sha256_file,
     write_group,
 )
+from shardserve.tools.onnx_graph import (
+    IR_VERSION,
+    OPSET,
+    PRODUCER_NAME,
+    PRODUCER_VERSION,
+    GraphBuilder,
+    Shape,
+    finish_model,
+    model_bytes,
+)
+from shardserve.wire.protocol import TensorSpec
 
 Progress = Callable[[str], None]
 """Receives one human-readable line per step of an export (e.g. per rank written)."""
@@ -237,7 +237,7 @@ def servable_config_text(plan: ExportPlan) -> str:
     outs = ", ".join(s.name for s in plan.outputs)
     names = ", ".join(f'"{s.name}"' for s in plan.outputs)
     return (
-        f'"""Servable {plan.servable}: written by shardserve.export '
+        f'"""Servable {plan.servable}: written by shardserve.tools.export '
         f'(rewritten by every export of this servable)."""\n\n'
         "from shardserve.servable import add_stage, declare_servable, register_method\n\n"
         f"model = declare_servable(rank_size={plan.rank_size}, stage_size={plan.stage_size}, "

@@ -1,7 +1,7 @@
 """Writing per-rank slices into a model repository, with ONNX external data when a rank's
 model would not fit protobuf's 2 GiB limit.
 
-Shares the layout rules of ``shardserve.export.common`` (servable name checks,
+Shares the layout rules of ``shardserve.tools.common`` (servable name checks,
 servable_config.py text, rank table) but each rank's program comes with its segments, and
 big segments are written as ``<segment>.onnx`` + ``<segment>.onnx.data`` in the rank folder
 (location relative, so the agent's confinement check accepts it). Every file, data files
@@ -18,7 +18,16 @@ import onnx
 from onnx import external_data_helper
 
 from shardserve.errors import ExportError
-from shardserve.export.common import (
+from shardserve.repo.repository import (
+    SERVABLE_CONFIG_FILE,
+    GroupConfig,
+    ProgramOp,
+    RankSpec,
+    rank_checksum,
+    sha256_file,
+    write_group,
+)
+from shardserve.tools.common import (
     ExportPlan,
     Progress,
     StagePlan,
@@ -32,16 +41,7 @@ from shardserve.export.common import (
     write_rank_table,
     write_text_atomic,
 )
-from shardserve.protocol import TensorSpec
-from shardserve.repository import (
-    SERVABLE_CONFIG_FILE,
-    GroupConfig,
-    ProgramOp,
-    RankSpec,
-    rank_checksum,
-    sha256_file,
-    write_group,
-)
+from shardserve.wire.protocol import TensorSpec
 
 # protobuf refuses messages of 2 GiB and more; leave room for the graph itself.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**27

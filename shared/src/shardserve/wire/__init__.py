@@ -1,1 +1,1 @@
-"""The wire: tensors, the typed message union, the msgpack codec, chunking and the broker topology."""
+"""The wire: tensors, the typed message union, the msgpack codec, chunking, the topology."""

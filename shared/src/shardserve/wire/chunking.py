@@ -193,6 +193,6 @@ def _chunk_fields(headers: Mapping[str, Any]) -> tuple[str, int, int, int]:
 @functools.cache
 def incoming() -> Reassembler:
     """The process's reassembler (message ids are unique, so consumers can share it)."""
-    from shardserve.codec import MAX_MESSAGE_BYTES
+    from shardserve.wire.codec import MAX_MESSAGE_BYTES
 
     return Reassembler(max_total_bytes=MAX_MESSAGE_BYTES)

@@ -16,7 +16,7 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from shardserve.errors import CodecError
-from shardserve.protocol import (
+from shardserve.wire.protocol import (
     MESSAGE_ADAPTER,
     SCHEMA_VERSION,
     CollectivePart,
@@ -28,7 +28,7 @@ from shardserve.protocol import (
     StageResult,
     StageWork,
 )
-from shardserve.tensors import tensor_bytes
+from shardserve.wire.tensors import tensor_bytes
 
 CONTENT_TYPE = "application/msgpack"
 

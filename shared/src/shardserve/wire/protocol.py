@@ -1,6 +1,6 @@
 """Wire messages: frozen pydantic models with a ``Literal`` kind and a schema version.
 
-Every message body on the broker is one of these, msgpack-encoded by ``shardserve.codec``.
+Every message body on the broker is one of these, msgpack-encoded by ``shardserve.wire.codec``.
 The ``kind`` field is the discriminator; ``v`` is the schema version and must equal
 ``SCHEMA_VERSION`` (a consumer dead-letters anything else). Fields are added with
 defaults from release to release (``CollectivePart.phase``, ``StageWork.stacked``)
@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from shardserve.errors import ErrorCode
-from shardserve.tensors import Tensor
+from shardserve.wire.tensors import Tensor
 
 SCHEMA_VERSION = 1
 
@@ -161,7 +161,7 @@ class StageWork(_Message):
     requests: tuple[str, ...] = ()
     # > 0: the inputs are that many instances of a servable without a batch dimension,
     # stacked on a new leading axis; each rank runs its segments once per instance and
-    # exchanges their collective parts together (see shardserve.program.run_stage).
+    # exchanges their collective parts together (see shardserve.runtime.program.run_stage).
     stacked: int = Field(default=0, ge=0)
 
 

@@ -2,7 +2,7 @@
 
 Every exchange, queue name and routing key used anywhere is built here, so the wire
 layout can be read (and tested) in one place. ``declare_*`` helpers in
-``shardserve.broker`` turn these values into declarations.
+``shardserve.amqp.broker`` turn these values into declarations.
 
 Exchanges (type) -> routing key -> bound queues:
 

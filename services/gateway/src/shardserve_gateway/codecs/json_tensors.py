@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import BadInputError
-from shardserve.tensors import DATATYPE_TO_DTYPE, MAX_RANK, Tensor
+from shardserve.wire.tensors import DATATYPE_TO_DTYPE, MAX_RANK, Tensor
 
 MAX_DIM = 2**63 - 1
 _HALF_TYPES = ("FP16", "BF16")

@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import BadInputError
-from shardserve.tensors import (
+from shardserve.wire.tensors import (
     BYTES_DTYPE,
     DATATYPE_TO_DTYPE,
     Tensor,
     dtype_itemsize,
     unpack_bytes_elements,
 )
-from shardserve_gateway import fast_json, numeric_json
-from shardserve_gateway.json_tensors import (
+from shardserve_gateway.codecs import fast_json, numeric_json
+from shardserve_gateway.codecs.json_tensors import (
     array_from_kserve_json,
     element_count,
     parse_shape,

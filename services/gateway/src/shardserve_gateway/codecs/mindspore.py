@@ -25,11 +25,11 @@ import numpy as np
 import simdjson
 
 from shardserve.errors import BadInputError
-from shardserve.protocol import InstanceResult, TensorSpec
-from shardserve.signature import ANY_DATATYPE
-from shardserve.tensors import BYTES_DTYPE, DATATYPE_TO_DTYPE, Tensor, pack_bytes_elements
-from shardserve_gateway import fast_json
-from shardserve_gateway.json_tensors import cast_values, element_count, leaf_types, to_tensor
+from shardserve.repo.signature import ANY_DATATYPE
+from shardserve.wire.protocol import InstanceResult, TensorSpec
+from shardserve.wire.tensors import BYTES_DTYPE, DATATYPE_TO_DTYPE, Tensor, pack_bytes_elements
+from shardserve_gateway.codecs import fast_json
+from shardserve_gateway.codecs.json_tensors import cast_values, element_count, leaf_types, to_tensor
 
 B64_KEYS = ("b64", "type", "shape")
 B64_TYPES: dict[str, str] = {

@@ -28,19 +28,19 @@ from aiohttp import web
 
 import shardserve
 from shardserve.errors import BadInputError, ErrorCode, InternalError, error_for
-from shardserve.lifecycle import request_id_var
-from shardserve.protocol import InferReply, InferRequest, TensorSpec
-from shardserve.signature import check_instance
-from shardserve.tensors import Tensor
-from shardserve_gateway.body import read_body
-from shardserve_gateway.dispatch import choose_timeout
-from shardserve_gateway.kserve_codec import (
+from shardserve.process.lifecycle import request_id_var
+from shardserve.repo.signature import check_instance
+from shardserve.wire.protocol import InferReply, InferRequest, TensorSpec
+from shardserve.wire.tensors import Tensor
+from shardserve_gateway.codecs.body import read_body
+from shardserve_gateway.codecs.kserve import (
     HEADER_LENGTH,
     KServeRequest,
     RequestedOutput,
     decode_request,
     encode_response,
 )
+from shardserve_gateway.dispatch import choose_timeout
 from shardserve_gateway.mesh_view import (
     METHOD_SEPARATOR,
     Target,

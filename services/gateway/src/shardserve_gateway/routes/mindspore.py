@@ -22,21 +22,21 @@ from typing import Any
 from aiohttp import web
 
 from shardserve.errors import BadInputError, InternalError, error_for, http_status
-from shardserve.lifecycle import request_id_var
-from shardserve.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
-from shardserve.signature import check_instance
-from shardserve.tensors import Tensor
-from shardserve_gateway.body import read_body
-from shardserve_gateway.dispatch import choose_timeout
-from shardserve_gateway.kserve import TIMEOUT_HEADER
-from shardserve_gateway.mesh_view import Target, find_method, require_ready
-from shardserve_gateway.mindspore_codec import (
+from shardserve.process.lifecycle import request_id_var
+from shardserve.repo.signature import check_instance
+from shardserve.wire.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
+from shardserve.wire.tensors import Tensor
+from shardserve_gateway.codecs.body import read_body
+from shardserve_gateway.codecs.mindspore import (
     instance_reply,
     instance_tensors,
     parse_instances,
     reply_body,
 )
+from shardserve_gateway.dispatch import choose_timeout
+from shardserve_gateway.mesh_view import Target, find_method, require_ready
 from shardserve_gateway.responses import JSON_TYPE, error_response
+from shardserve_gateway.routes.kserve import TIMEOUT_HEADER
 from shardserve_gateway.state import (
     DISPATCHER_KEY,
     INFER_LABELS_KEY,

@@ -162,7 +162,7 @@ def _other_schemas() -> dict[str, Schema]:
         },
         "mesh_status": {
             "type": "object",
-            "description": "The scheduler's latest MeshStatus (see shardserve.protocol), "
+            "description": "The scheduler's latest MeshStatus (see shardserve.wire.protocol), "
             "plus fresh and age_s.",
             "properties": {
                 "fresh": BOOLEAN,

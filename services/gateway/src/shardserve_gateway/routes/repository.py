@@ -25,9 +25,9 @@ from typing import Any, Literal
 from aiohttp import web
 
 from shardserve.errors import BadInputError, NotFoundError
-from shardserve.protocol import RepositoryCommand, ServableStatus
-from shardserve_gateway.body import read_body
-from shardserve_gateway.kserve_codec import parse_json_object
+from shardserve.wire.protocol import RepositoryCommand, ServableStatus
+from shardserve_gateway.codecs.body import read_body
+from shardserve_gateway.codecs.kserve import parse_json_object
 from shardserve_gateway.mesh_view import METHOD_SEPARATOR
 from shardserve_gateway.responses import json_response
 from shardserve_gateway.state import DISPATCHER_KEY, MESH_VIEW_KEY, SETTINGS_KEY

@@ -9,10 +9,10 @@ import logging
 import traceback
 from dataclasses import dataclass
 
-from shardserve import topology
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo, InferReply, InferRequest, JobCancel, StageWork
-from shardserve_scheduler.pystages import PythonTask
+from shardserve.wire import topology
+from shardserve.wire.protocol import ErrorInfo, InferReply, InferRequest, JobCancel, StageWork
+from shardserve_scheduler.core.pystages import PythonTask
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardserve.protocol import TensorMap
-from shardserve.tensors import Tensor, digest_tensors, tensor_bytes
+from shardserve.wire.protocol import TensorMap
+from shardserve.wire.tensors import Tensor, digest_tensors, tensor_bytes
 
 Member = tuple[str, int, int, int]  # (request key, instance index, chunk index, step position)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.errors import RepositoryError, ServableConfigError
-from shardserve.repository import (
+from shardserve.repo.repository import (
     SERVABLE_CONFIG_FILE,
     GroupConfig,
     list_versions,
@@ -31,7 +31,12 @@ from shardserve.servable import (
     ServableDefinition,
     load_servable_config,
 )
-from shardserve_scheduler.methods import DEFAULT_METHOD, MethodPlan, default_method, plan_method
+from shardserve_scheduler.core.methods import (
+    DEFAULT_METHOD,
+    MethodPlan,
+    default_method,
+    plan_method,
+)
 
 __all__ = ["Catalog", "MethodPlan", "ServableEntry", "VersionEntry", "default_method"]
 

@@ -9,10 +9,10 @@ disagreement fails the job's instances (and cancels the job on its ranks).
 from __future__ import annotations
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import JobCancel, TensorMap
-from shardserve.tensors import digest_mismatch, digest_tensors
-from shardserve_scheduler import batching
-from shardserve_scheduler.actions import (
+from shardserve.wire.protocol import JobCancel, TensorMap
+from shardserve.wire.tensors import digest_mismatch, digest_tensors
+from shardserve_scheduler.core import batching
+from shardserve_scheduler.core.actions import (
     Action,
     Cancel,
     PublishStageWork,
@@ -20,10 +20,10 @@ from shardserve_scheduler.actions import (
     bug_message,
     debug,
 )
-from shardserve_scheduler.batching import Member
-from shardserve_scheduler.jobs import Job, RequestState, digest_disagreement
-from shardserve_scheduler.methods import ModelStep
-from shardserve_scheduler.replies import Replies
+from shardserve_scheduler.core.batching import Member
+from shardserve_scheduler.core.jobs import Job, RequestState, digest_disagreement
+from shardserve_scheduler.core.methods import ModelStep
+from shardserve_scheduler.core.replies import Replies
 
 
 class JobOutcomes(Replies):

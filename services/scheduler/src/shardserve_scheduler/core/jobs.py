@@ -12,12 +12,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
-from shardserve.program import final_collectives
-from shardserve.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
-from shardserve.repository import GroupConfig
-from shardserve_scheduler.batching import Batcher, Member
-from shardserve_scheduler.methods import Env, MethodPlan
-from shardserve_scheduler.timeline import Timeline
+from shardserve.repo.repository import GroupConfig
+from shardserve.runtime.program import final_collectives
+from shardserve.wire.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
+from shardserve_scheduler.core.batching import Batcher, Member
+from shardserve_scheduler.core.methods import Env, MethodPlan
+from shardserve_scheduler.core.timeline import Timeline
 
 _PASSED_THROUGH_CODES = frozenset(
     {ErrorCode.INTERNAL, ErrorCode.STAGE_FAILED, ErrorCode.DEADLINE, ErrorCode.RANK_MISMATCH}

@@ -10,9 +10,9 @@ layers above it directly, and the few methods of later layers through the hooks 
 
 from __future__ import annotations
 
-from shardserve_scheduler.actions import Action
-from shardserve_scheduler.batching import Batcher, Member
-from shardserve_scheduler.jobs import (
+from shardserve_scheduler.core.actions import Action
+from shardserve_scheduler.core.batching import Batcher, Member
+from shardserve_scheduler.core.jobs import (
     Call,
     Counters,
     Job,
@@ -21,7 +21,7 @@ from shardserve_scheduler.jobs import (
     RequestState,
     VersionStats,
 )
-from shardserve_scheduler.methods import PythonStep
+from shardserve_scheduler.core.methods import PythonStep
 
 PyKey = tuple[LaneKey, str, int]  # (servable version, method, step position)
 

@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardserve.protocol import TensorMap, TensorSpec
-from shardserve.repository import GroupConfig
+from shardserve.repo.repository import GroupConfig
+from shardserve.repo.signature import ANY_DATATYPE
 from shardserve.servable import DistributedModel, MethodDefinition, Stage
-from shardserve.signature import ANY_DATATYPE
-from shardserve.tensors import Tensor
+from shardserve.wire.protocol import TensorMap, TensorSpec
+from shardserve.wire.tensors import Tensor
 
 Ref = tuple[int, int]  # (stage index from 1, or 0 for the method inputs; output index)
 Env = dict[Ref, Tensor]

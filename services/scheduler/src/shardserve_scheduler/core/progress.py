@@ -12,18 +12,18 @@ event, after the event's own publishes, so with several stages jobs pipeline.
 from __future__ import annotations
 
 from shardserve.errors import ErrorCode, InferenceError
-from shardserve.protocol import InstanceResult, StageWork, TensorMap
-from shardserve.signature import check_instance
-from shardserve.tensors import Tensor, digest_tensors
-from shardserve_scheduler import batching
-from shardserve_scheduler.actions import Action, PublishStageWork, RunPython
-from shardserve_scheduler.batching import Member, Piece
-from shardserve_scheduler.job_outcomes import JobOutcomes, alive_key
-from shardserve_scheduler.jobs import Job, Lane, RequestState, VersionStats
-from shardserve_scheduler.machine_state import PyKey
-from shardserve_scheduler.methods import ModelStep, PythonStep
-from shardserve_scheduler.pystages import PythonTask
-from shardserve_scheduler.timeline import Timeline
+from shardserve.repo.signature import check_instance
+from shardserve.wire.protocol import InstanceResult, StageWork, TensorMap
+from shardserve.wire.tensors import Tensor, digest_tensors
+from shardserve_scheduler.core import batching
+from shardserve_scheduler.core.actions import Action, PublishStageWork, RunPython
+from shardserve_scheduler.core.batching import Member, Piece
+from shardserve_scheduler.core.job_outcomes import JobOutcomes, alive_key
+from shardserve_scheduler.core.jobs import Job, Lane, RequestState, VersionStats
+from shardserve_scheduler.core.machine_state import PyKey
+from shardserve_scheduler.core.methods import ModelStep, PythonStep
+from shardserve_scheduler.core.pystages import PythonTask
+from shardserve_scheduler.core.timeline import Timeline
 
 
 class Progress(JobOutcomes):

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo
-from shardserve.tensors import BYTES_DTYPE, Tensor
-from shardserve_scheduler.methods import PythonStep
+from shardserve.wire.protocol import ErrorInfo
+from shardserve.wire.tensors import BYTES_DTYPE, Tensor
+from shardserve_scheduler.core.methods import PythonStep
 
 _INPUT_ERRORS = (ValueError, TypeError, KeyError)
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shardserve.protocol import AgentBye, AgentHeartbeat, AgentHello, RankStatus
-from shardserve.repository import GroupConfig
+from shardserve.repo.repository import GroupConfig
+from shardserve.wire.protocol import AgentBye, AgentHeartbeat, AgentHello, RankStatus
 
 GroupKey = tuple[str, int]
 RankState = Literal["missing", "loading", "ready", "draining", "lost"]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo, InferReply, InstanceResult
-from shardserve_scheduler.actions import Action, Log, Reply, bug_log, bug_message, error_reply
-from shardserve_scheduler.jobs import RequestState, VersionStats, collapsed_error
-from shardserve_scheduler.machine_state import MachineState
+from shardserve.wire.protocol import ErrorInfo, InferReply, InstanceResult
+from shardserve_scheduler.core.actions import Action, Log, Reply, bug_log, bug_message, error_reply
+from shardserve_scheduler.core.jobs import RequestState, VersionStats, collapsed_error
+from shardserve_scheduler.core.machine_state import MachineState
 
 
 class Replies(MachineState):

@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 
 from shardserve.errors import ErrorCode
-from shardserve.protocol import ErrorInfo, StageResult
-from shardserve_scheduler.actions import (
+from shardserve.wire.protocol import ErrorInfo, StageResult
+from shardserve_scheduler.core.actions import (
     Action,
     Log,
     Reply,
@@ -37,7 +37,7 @@ from shardserve_scheduler.actions import (
     bug_message,
     error_reply,
 )
-from shardserve_scheduler.jobs import (
+from shardserve_scheduler.core.jobs import (
     Call,
     InstanceState,
     Job,
@@ -47,8 +47,8 @@ from shardserve_scheduler.jobs import (
     rank_error,
     stage_answered,
 )
-from shardserve_scheduler.progress import Progress
-from shardserve_scheduler.pystages import Outcome
+from shardserve_scheduler.core.progress import Progress
+from shardserve_scheduler.core.pystages import Outcome
 
 __all__ = ["Call", "RequestMachine"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.errors import RepositoryError
-from shardserve.repository import SERVABLE_CONFIG_FILE, GroupConfig, list_versions, load_group
-from shardserve_scheduler.catalog import (
+from shardserve.repo.repository import SERVABLE_CONFIG_FILE, GroupConfig, list_versions, load_group
+from shardserve_scheduler.core.catalog import (
     Catalog,
     GroupKey,
     ServableEntry,

@@ -7,11 +7,11 @@ is an InferenceError whose message says what was asked and what exists.
 from __future__ import annotations
 
 from shardserve.errors import BadInputError, InferenceError, NotFoundError, UnavailableError
-from shardserve.protocol import InferRequest
-from shardserve.signature import check_instance
-from shardserve_scheduler.catalog import Catalog, MethodPlan, ServableEntry, VersionEntry
-from shardserve_scheduler.registry import Registry
-from shardserve_scheduler.requests import Call
+from shardserve.repo.signature import check_instance
+from shardserve.wire.protocol import InferRequest
+from shardserve_scheduler.core.catalog import Catalog, MethodPlan, ServableEntry, VersionEntry
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.requests import Call
 
 
 def resolve(

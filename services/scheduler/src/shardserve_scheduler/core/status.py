@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from shardserve.protocol import MeshStatus, MethodStatus, ServableStatus
-from shardserve_scheduler.catalog import Catalog, ServableEntry, VersionEntry
-from shardserve_scheduler.jobs import VersionStats
-from shardserve_scheduler.registry import GroupState, Registry
+from shardserve.wire.protocol import MeshStatus, MethodStatus, ServableStatus
+from shardserve_scheduler.core.catalog import Catalog, ServableEntry, VersionEntry
+from shardserve_scheduler.core.jobs import VersionStats
+from shardserve_scheduler.core.registry import GroupState, Registry
 
 VersionState = Literal["loading", "available", "unloading", "failed"]
 

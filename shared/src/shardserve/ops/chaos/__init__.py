@@ -7,6 +7,6 @@ restart, 10x flood, malformed AMQP, bad HTTP, stop under load). A ledger proves 
 every request id got exactly one outcome; hung, lost and duplicated must be 0.
 """
 
-from shardserve.chaos.command import build_chaos, run_chaos
+from shardserve.ops.chaos.command import build_chaos, run_chaos
 
 __all__ = ["build_chaos", "run_chaos"]

@@ -16,9 +16,9 @@ import aio_pika
 import msgpack
 import numpy as np
 
-from shardserve import codec, topology
-from shardserve.protocol import InferRequest
-from shardserve.tensors import Tensor
+from shardserve.wire import codec, topology
+from shardserve.wire.protocol import InferRequest
+from shardserve.wire.tensors import Tensor
 
 
 def request_without_reply_to() -> bytes:

@@ -11,21 +11,19 @@ import asyncio
 import json
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from shardserve.chaos import names as scenario_names
+from shardserve.ops.chaos import names as scenario_names
 
 if TYPE_CHECKING:
-    from shardserve.chaos.driver import Pace
-    from shardserve.chaos.mesh import ChaosMesh
-    from shardserve.chaos.report import ScenarioReport
+    from shardserve.ops.chaos.driver import Pace
+    from shardserve.ops.chaos.report import ScenarioReport
+    from shardserve.ops.chaos.target import ChaosMesh
 
     Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
-READY_WITHIN_S = 180.0
 EXIT_USAGE = 2
 
 
@@ -58,8 +56,8 @@ def build_chaos(subparsers: Subparsers) -> None:
 
 
 def run_chaos_command(args: argparse.Namespace) -> int:
-    from shardserve.chaos.driver import FULL, QUICK
-    from shardserve.chaos.report import format_report
+    from shardserve.ops.chaos.driver import FULL, QUICK
+    from shardserve.ops.chaos.report import format_report
 
     scenarios = args.scenarios or list(scenario_names.QUICK if args.quick else scenario_names.ALL)
     pace = QUICK if args.quick else FULL
@@ -87,7 +85,7 @@ def run_chaos(
     scenarios: Sequence[str], pace: Pace, workdir: Path, *, ranks: int = 2
 ) -> list[ScenarioReport]:
     """Start a mesh, run each scenario in order on it, stop it; one report per scenario."""
-    from shardserve.chaos.mesh import ChaosMesh, MeshError
+    from shardserve.ops.chaos.target import ChaosMesh, MeshError
 
     mesh = ChaosMesh(workdir, ranks=ranks)
     try:
@@ -102,9 +100,9 @@ def run_chaos(
 
 
 async def _run_all(mesh: ChaosMesh, scenarios: Sequence[str], pace: Pace) -> list[ScenarioReport]:
-    from shardserve.chaos.driver import Context
-    from shardserve.chaos.report import ScenarioReport, format_report
-    from shardserve.chaos.scenarios import SCENARIOS
+    from shardserve.ops.chaos.driver import READY_WITHIN_S, Context, wait_healthy
+    from shardserve.ops.chaos.report import ScenarioReport, format_report
+    from shardserve.ops.chaos.scenarios import SCENARIOS
 
     ctx = Context(mesh, pace)
     reports: list[ScenarioReport] = []
@@ -125,22 +123,3 @@ async def _run_all(mesh: ChaosMesh, scenarios: Sequence[str], pace: Pace) -> lis
         print(format_report(report), file=sys.stderr, flush=True)
         reports.append(report)
     return reports
-
-
-async def wait_healthy(mesh: ChaosMesh, within_s: float) -> bool:
-    """Readiness 200 and one correct answer, within ``within_s``."""
-    import aiohttp
-
-    from shardserve.chaos.ledger import Ledger
-    from shardserve.chaos.load import LoadGenerator, LoadSpec
-
-    ledger = Ledger()
-    generator = LoadGenerator(LoadSpec(mesh.http_url), ledger)
-    end = time.monotonic() + within_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < end and mesh.running:
-            await generator.one(session)
-            if ledger.count("ok"):
-                return True
-            await asyncio.sleep(0.25)
-    return False

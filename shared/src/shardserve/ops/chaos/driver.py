@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shardserve.chaos.ledger import Ledger
-from shardserve.chaos.load import LoadGenerator, LoadSpec
-from shardserve.chaos.mesh import ChaosMesh
-from shardserve.chaos.report import ScenarioReport
+from shardserve.ops.chaos.ledger import Ledger
+from shardserve.ops.chaos.load import LoadGenerator, LoadSpec
+from shardserve.ops.chaos.report import ScenarioReport
+from shardserve.ops.chaos.target import ChaosMesh
 
 POLL_S = 0.1
+READY_WITHIN_S = 180.0  # a fresh mesh answers its first request within this
 
 
 @dataclass(frozen=True)
@@ -169,3 +170,17 @@ def _finish(
     if expect_effect and report.detect_s is None:
         report.notes.append("the fault was never visible to clients or readiness")
     return report
+
+
+async def wait_healthy(mesh: ChaosMesh, within_s: float) -> bool:
+    """Readiness 200 and one correct answer, within ``within_s``."""
+    ledger = Ledger()
+    generator = LoadGenerator(LoadSpec(mesh.http_url), ledger)
+    end = time.monotonic() + within_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < end and mesh.running:
+            await generator.one(session)
+            if ledger.count("ok"):
+                return True
+            await asyncio.sleep(0.25)
+    return False

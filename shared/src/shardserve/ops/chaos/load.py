@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from shardserve.chaos.ledger import Ledger, error_code
+from shardserve.ops.chaos.ledger import Ledger, error_code
 
 MATMUL_ROWS, MATMUL_COLS, MATMUL_OUT = 128, 96, 16
 VALUES = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0)  # exact in FP32, and so is -48·v

@@ -2,41 +2,24 @@
 broker other users share (``rabbitmqctl stop_app`` on it would cut every other mesh and
 test off).
 
-The node comes from ``scripts/rabbitnode.py`` of the source checkout (own node name,
-ports, mnesia and log folders, Erlang cookie); it is loaded from there, since the suite
-runs from a checkout (``shardserve chaos``). Without the checkout or without RabbitMQ's
-server installed the scenario is skipped, with the reason.
+The node comes from ``shardserve.ops.rabbitnode`` (own node name, ports, mnesia and log
+folders, Erlang cookie). Without RabbitMQ's server installed the scenario is skipped, with
+the reason.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
-RABBITNODE = Path(__file__).resolve().parents[4] / "scripts" / "rabbitnode.py"
+from shardserve.ops import rabbitnode
 
 
 class NoPrivateBroker(Exception):
     """A private node cannot be started here; the message says why."""
 
 
-def _rabbitnode() -> ModuleType:
-    if not RABBITNODE.exists():
-        raise NoPrivateBroker(f"{RABBITNODE} not found (run from a source checkout)")
-    spec = importlib.util.spec_from_file_location("shardserve_chaos_rabbitnode", RABBITNODE)
-    if spec is None or spec.loader is None:
-        raise NoPrivateBroker(f"cannot load {RABBITNODE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def _free_port(rabbitnode: ModuleType) -> int:
+def _free_port() -> int:
     start = random.randrange(6400, 7000)
     for port in range(start, start + 300):
         if rabbitnode.port_pair_free(port):
@@ -44,14 +27,13 @@ def _free_port(rabbitnode: ModuleType) -> int:
     raise NoPrivateBroker("no free port pair for a private RabbitMQ node")
 
 
-def start_node(base: Path) -> Any:
+def start_node(base: Path) -> rabbitnode.RabbitNode:
     """Start a private node under ``base``; returns the RabbitNode (``url()``, ``ctl``,
     ``stop``). NoPrivateBroker when that is not possible here."""
-    rabbitnode = _rabbitnode()
     reason = rabbitnode.rabbit_available()
     if reason is not None:
         raise NoPrivateBroker(reason)
-    node = rabbitnode.RabbitNode(base, f"sschaos-{random.randrange(10**6)}", _free_port(rabbitnode))
+    node = rabbitnode.RabbitNode(base, f"sschaos-{random.randrange(10**6)}", _free_port())
     try:
         node.start()
     except rabbitnode.NodeError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from shardserve.chaos.ledger import Ledger
+from shardserve.ops.chaos.ledger import Ledger
 
 
 @dataclass

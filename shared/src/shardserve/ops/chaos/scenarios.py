@@ -17,13 +17,13 @@ from typing import Any
 
 import aiohttp
 
-from shardserve import topology
-from shardserve.chaos import amqp_faults, http_faults, names, private_broker
-from shardserve.chaos.driver import Context, under_load
-from shardserve.chaos.ledger import Ledger
-from shardserve.chaos.load import LoadGenerator
-from shardserve.chaos.mesh import ChaosMesh, rss_bytes
-from shardserve.chaos.report import ScenarioReport
+from shardserve.ops.chaos import amqp_faults, http_faults, names, private_broker
+from shardserve.ops.chaos.driver import READY_WITHIN_S, Context, under_load, wait_healthy
+from shardserve.ops.chaos.ledger import Ledger
+from shardserve.ops.chaos.load import LoadGenerator
+from shardserve.ops.chaos.report import ScenarioReport
+from shardserve.ops.chaos.target import ChaosMesh, rss_bytes
+from shardserve.wire import topology
 
 SERVABLE, VERSION = "matmul", 1
 VICTIM_RANK = 1
@@ -120,8 +120,6 @@ async def broker_restart(ctx: Context) -> ScenarioReport:
 
 
 async def _restart_under_load(ctx: Context, node: Any) -> ScenarioReport:
-    from shardserve.chaos.command import READY_WITHIN_S, wait_healthy
-
     if not await wait_healthy(ctx.mesh, READY_WITHIN_S):
         return ScenarioReport(
             "broker-restart", recovered=False, problems=["private mesh never became ready"]

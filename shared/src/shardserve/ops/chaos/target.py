@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.localmesh import (
+from shardserve.ops.child_mesh import (
     SHARDSERVE,
     LocalMesh,
     MeshError,

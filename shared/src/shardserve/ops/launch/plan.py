@@ -8,16 +8,16 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from shardserve.cores import threads_per_agent, usable_cores
 from shardserve.errors import RepositoryError
-from shardserve.repository import (
+from shardserve.process.cores import threads_per_agent, usable_cores
+from shardserve.process.supervise import EXIT_REFUSED, EXIT_USAGE, ChildSpec
+from shardserve.repo.repository import (
     GroupConfig,
     list_servables,
     list_versions,
     load_group,
     verify_rank_files,
 )
-from shardserve.supervise import EXIT_REFUSED, EXIT_USAGE, ChildSpec
 
 # Passed to the scheduler explicitly: a dead agent's rank is free again after it.
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -44,7 +44,7 @@ class UpOptions:
 
 def with_agent_threads(options: UpOptions, agents: int) -> tuple[UpOptions, int]:
     """``options`` with a thread count for every agent (an even share of the usable cores
-    when none was given: ``shardserve.cores``), and the usable cores."""
+    when none was given: ``shardserve.process.cores``), and the usable cores."""
     cores = usable_cores()
     if options.threads is not None:
         return options, cores
@@ -84,7 +84,7 @@ def ensure_demo_repository(root: Path | None = None) -> Path:
     root = root or default_cache_dir() / "demo"
     if repository_version_is_valid(root, DEMO_SERVABLE, 1):
         return root
-    from shardserve.export.matmul import export_matmul
+    from shardserve.tools.export.matmul import export_matmul
 
     print(f"exporting the demo model ({DEMO_SERVABLE}, {DEMO_RANKS} ranks) to {root}", flush=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -206,6 +206,6 @@ def _several_versions(groups: list[GroupConfig], group: GroupConfig) -> bool:
 
 
 # The gateway starts before the agents so that their loading can be watched through it
-# (it answers 503 until the groups are ready); stop order is explained in shardserve.launcher.
+# (it answers 503 until the groups are ready); stop order is explained in shardserve.ops.launch.up.
 START_ORDER = ("scheduler", "gateway", "agent")
 STOP_ORDER = ("gateway", "scheduler", "agent")

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
-from shardserve.launch.plan import STOP_ORDER, GroupKey
-from shardserve.repository import GroupConfig
-from shardserve.supervise import EXIT_REFUSED, ChildSpec, Supervised
+from shardserve.ops.launch.plan import STOP_ORDER, GroupKey
+from shardserve.process.supervise import EXIT_REFUSED, ChildSpec, Supervised
+from shardserve.repo.repository import GroupConfig
 
 
 class Mesh:

@@ -10,8 +10,8 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from shardserve.launch.plan import GroupKey
-from shardserve.repository import GroupConfig
+from shardserve.ops.launch.plan import GroupKey
+from shardserve.repo.repository import GroupConfig
 
 Status = dict[str, Any]
 

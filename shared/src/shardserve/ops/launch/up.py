@@ -3,9 +3,9 @@
 It checks the broker, exports the demo repository on first use (when no repository is
 given), then starts the scheduler, the gateway and one agent per rank of every servable
 version, each as ``python -m shardserve_<svc> ...`` in its own process group (see
-``shardserve.supervise``), restarting any that dies. While agents load, it polls the
+``shardserve.process.supervise``), restarting any that dies. While agents load, it polls the
 gateway's ``/api/status`` and prints readiness as it changes. While it runs, it watches
-the repository (``shardserve.launch.watch``): a version folder added later gets its
+the repository (``shardserve.ops.launch.watch``): a version folder added later gets its
 agents, one removed (or unloaded by the scheduler) loses them, the others are untouched.
 
 Stop order (Ctrl-C / SIGTERM) follows the request flow, upstream first, so that nothing
@@ -31,8 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from shardserve.errors import RepositoryError
-from shardserve.launch.mesh import Mesh
-from shardserve.launch.plan import (
+from shardserve.ops.launch.plan import (
     START_ORDER,
     UpOptions,
     agent_plan,
@@ -42,7 +41,8 @@ from shardserve.launch.plan import (
     repository_version_is_valid,
     with_agent_threads,
 )
-from shardserve.launch.status import (
+from shardserve.ops.launch.processes import Mesh
+from shardserve.ops.launch.status import (
     StatusBoard,
     StatusUnavailable,
     fetch_status,
@@ -50,10 +50,10 @@ from shardserve.launch.status import (
     public_url,
     watch_progress,
 )
-from shardserve.launch.watch import RepositoryWatcher
-from shardserve.repository import GroupConfig
-from shardserve.settings import AMQP_URL_ENV, BrokerSettings
-from shardserve.supervise import EXIT_USAGE
+from shardserve.ops.launch.watch import RepositoryWatcher
+from shardserve.process.settings import AMQP_URL_ENV, BrokerSettings
+from shardserve.process.supervise import EXIT_USAGE
+from shardserve.repo.repository import GroupConfig
 
 EXIT_FAILED = 1
 

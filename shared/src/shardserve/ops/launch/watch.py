@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardserve.errors import RepositoryError
-from shardserve.launch.mesh import Mesh
-from shardserve.launch.plan import GroupKey, UpOptions, agent_specs, version_problem
-from shardserve.launch.status import Status, StatusBoard, listed_versions
-from shardserve.repository import GroupConfig, list_versions, load_group
+from shardserve.ops.launch.plan import GroupKey, UpOptions, agent_specs, version_problem
+from shardserve.ops.launch.processes import Mesh
+from shardserve.ops.launch.status import Status, StatusBoard, listed_versions
+from shardserve.repo.repository import GroupConfig, list_versions, load_group
 
 # How long a removed version's agents may wait for the scheduler to let them go (it first
 # finishes the version's open requests, which are bounded by their deadlines).

@@ -6,9 +6,9 @@ group.json glues the per-rank segments together with allgather/allreduce. ``comm
 holds the deterministic ONNX writer and repository layout that every exporter shares.
 """
 
-from shardserve.export.common import ExportPlan, GraphBuilder, Progress, StagePlan, write_version
-from shardserve.export.matmul import export_matmul
-from shardserve.export.mlp import export_mlp
+from shardserve.tools.common import ExportPlan, GraphBuilder, Progress, StagePlan, write_version
+from shardserve.tools.export.matmul import export_matmul
+from shardserve.tools.export.mlp import export_mlp
 
 __all__ = [
     "ExportPlan",

@@ -16,7 +16,8 @@ import numpy as np
 import onnx
 
 from shardserve.errors import ExportError
-from shardserve.export.common import (
+from shardserve.repo.repository import AllReduceOp, GroupConfig, ProgramOp, RunOp, sha256_file
+from shardserve.tools.common import (
     ExportPlan,
     GraphBuilder,
     Progress,
@@ -26,8 +27,7 @@ from shardserve.export.common import (
     split_range,
     write_version,
 )
-from shardserve.protocol import TensorSpec
-from shardserve.repository import AllReduceOp, GroupConfig, ProgramOp, RunOp, sha256_file
+from shardserve.wire.protocol import TensorSpec
 
 BATCH = "batch"  # the dynamic batch dimension of x and y
 WEIGHT_SCALE = 0.02

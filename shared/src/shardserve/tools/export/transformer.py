@@ -23,7 +23,7 @@ final LayerNorm and LM head in the last stage. Stages pass the hidden state
 With R = 1 a stage is one ONNX segment with no collectives.
 
 Shapes, weights (their names, a ``--weights`` file or seeded random ones) and the
-block layout are ``shardserve.export.transformer_weights``.
+block layout are ``shardserve.tools.export.transformer_weights``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from shardserve.export.common import GraphBuilder, split_range
-from shardserve.export.transformer_weights import (
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, GroupConfig, ProgramOp, RunOp
+from shardserve.tools.common import GraphBuilder, split_range
+from shardserve.tools.export.transformer_weights import (
     Layout,
     TransformerShape,
     Weights,
@@ -47,9 +48,8 @@ from shardserve.export.transformer_weights import (
     random_weights,
     weight_shapes,
 )
-from shardserve.protocol import TensorSpec
-from shardserve.repository import AllGatherOp, AllReduceOp, GroupConfig, ProgramOp, RunOp
-from shardserve.slicing.writer import RankSlice, SliceLayout, write_slices
+from shardserve.tools.slice_writer import RankSlice, SliceLayout, write_slices
+from shardserve.wire.protocol import TensorSpec
 
 Progress = Callable[[str], None]
 

@@ -22,25 +22,25 @@ import onnx
 from onnx import numpy_helper
 
 from shardserve.errors import ExportError
-from shardserve.protocol import TensorSpec
-from shardserve.repository import GroupConfig
-from shardserve.slicing.graph import topological_nodes, value_types
-from shardserve.slicing.megatron import ShardingPlan, plan_sharding
-from shardserve.slicing.pipeline import (
+from shardserve.repo.repository import GroupConfig
+from shardserve.tools.slice_writer import (
+    EXTERNAL_DATA_THRESHOLD,
+    RankSlice,
+    SliceLayout,
+    write_slices,
+)
+from shardserve.tools.slicing.graph import topological_nodes, value_types
+from shardserve.tools.slicing.megatron import ShardingPlan, plan_sharding
+from shardserve.tools.slicing.pipeline import (
     StageCut,
     balanced_assignment,
     build_stages,
     node_cost,
     stage_assignment_from_cuts,
 )
-from shardserve.slicing.rewrite import segments, shard_stage
-from shardserve.slicing.writer import (
-    EXTERNAL_DATA_THRESHOLD,
-    RankSlice,
-    SliceLayout,
-    write_slices,
-)
-from shardserve.tensors import DTYPE_TO_DATATYPE
+from shardserve.tools.slicing.rewrite import segments, shard_stage
+from shardserve.wire.protocol import TensorSpec
+from shardserve.wire.tensors import DTYPE_TO_DATATYPE
 
 Progress = Callable[[str], None]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import numpy_helper
 
-from shardserve.slicing.graph import consumer_index, node_inputs
+from shardserve.tools.slicing.graph import consumer_index, node_inputs
 
 ELEMENTWISE_UNARY = frozenset(
     {

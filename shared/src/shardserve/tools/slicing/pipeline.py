@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 
 from shardserve.errors import ExportError
-from shardserve.slicing.graph import (
+from shardserve.tools.slicing.graph import (
     ancestor_nodes,
     consumer_index,
     node_inputs,

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from shardserve.repository import AllGatherOp, AllReduceOp, ProgramOp, RunOp
-from shardserve.slicing.graph import node_inputs, segment_model
-from shardserve.slicing.megatron import Lone, Pair, ShardingPlan
+from shardserve.repo.repository import AllGatherOp, AllReduceOp, ProgramOp, RunOp
+from shardserve.tools.slicing.graph import node_inputs, segment_model
+from shardserve.tools.slicing.megatron import Lone, Pair, ShardingPlan
 
 Item = onnx.NodeProto | AllReduceOp | AllGatherOp
 
