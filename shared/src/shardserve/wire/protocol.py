@@ -15,6 +15,13 @@ Flow of one request (see README, "Architecture"):
     StageResult   rank -> scheduler                            (default exchange, result queue)
     InferReply    scheduler -> reply_to of the request         (default exchange)
 
+Flow of one generation (a sequence advanced step by step; see docs/architecture.md):
+
+    GenerateRequest / GenerateCancel  caller -> scheduler      (exchange shardserve.requests)
+    StepWork / SequencesFree  scheduler -> every rank of one stage (exchange shardserve.stage)
+    StepResult    rank -> scheduler (the last stage's leader adds the sampled tokens)
+    GenerateChunk scheduler -> reply_to, numbered, the last with finish reason or error
+
 A gateway sends the requests that pile up while a publish is in flight as one
 InferRequestBundle; the scheduler answers such a sender's replies that are ready together
 as one InferReplyBundle (fewer messages per request through the broker and both services).
@@ -52,6 +59,8 @@ class ErrorInfo(BaseModel):
 
     code: ErrorCode
     message: str
+    # > 0 on an overload refusal that may succeed later: the HTTP Retry-After.
+    retry_after_s: float = Field(default=0.0, ge=0.0)
 
 
 class InstanceResult(BaseModel):
@@ -139,6 +148,143 @@ class InferReplyBundle(_Message):
     replies: tuple[BundledReply, ...] = Field(min_length=1)
 
 
+# ---------------------------------------------------------------- generation (public)
+
+
+class SamplingParams(BaseModel):
+    """How one sequence chooses its tokens and when it stops.
+
+    ``temperature`` 0 is greedy (the lowest token id wins a tie). With a ``seed`` the
+    choice of token ``i`` of the sequence depends only on (seed, i) and the logits, so a
+    sequence samples the same tokens alone or in any batch. ``stop`` strings end the text
+    before the match (the match is not returned); ``stop_token_ids`` and the model's EOS ids
+    (unless ``ignore_eos``) end it after the token, which is not part of the text either.
+    ``logprobs`` N > 0 returns the chosen token's log-probability and the N most likely.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # 0: no top-k cut
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+        default=(), max_length=16
+    )
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(default=(), max_length=64)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat, rendered with the checkpoint's chat template."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str
+
+
+class GenerateRequest(_Message):
+    """Generate text from a prompt (text, token ids, or chat messages: exactly one).
+
+    The answer is a stream of GenerateChunk messages to ``reply_to`` with the request's
+    ``correlation_id``, numbered from 0; the last has a ``finish_reason`` or an ``error``.
+    A GenerateCancel with the same ``reply_to`` and ``correlation_id`` stops it.
+    """
+
+    kind: Literal["generate.request"] = "generate.request"
+    id: str = Field(min_length=1, max_length=128)
+    servable: str = Field(min_length=1, max_length=128)
+    version: int = Field(default=0, ge=0)
+    prompt: str | None = None
+    prompt_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingParams = SamplingParams()
+    deadline: float
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        given = [n for n in ("prompt", "prompt_ids", "messages") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "exactly one of prompt, prompt_ids and messages must be given "
+                f"(given: {', '.join(given) or 'none'})"
+            )
+        if self.prompt_ids is not None and not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class GenerateCancel(_Message):
+    """Stop a generation (the caller left): its sequence leaves the mesh within one step,
+    its KV cache is freed on every rank, and its stream ends with a ``cancelled`` error.
+    Published like the request (same exchange and key), so it never overtakes it."""
+
+    kind: Literal["generate.cancel"] = "generate.cancel"
+    reply_to: str = Field(min_length=1, max_length=255)
+    correlation_id: str = Field(min_length=1, max_length=128)
+
+
+class TopLogprob(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    """A generated token, its log-probability, and the most likely alternatives."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class GenerateChunk(_Message):
+    """One message of a generation's stream: new tokens and their text.
+
+    ``seq`` numbers a stream's messages from 0 (a receiver detects a gap or a duplicate).
+    ``text`` is the text the new tokens complete; bytes of a character not yet complete
+    are held back until a later token completes it, so the texts joined are the text.
+    The last message of a stream, and only it, has ``finish_reason`` ("stop": an EOS or
+    stop token or string; "length": ``max_tokens`` or the model's context) with ``usage``,
+    or ``error``.
+    """
+
+    kind: Literal["generate.chunk"] = "generate.chunk"
+    id: str
+    seq: int = Field(ge=0)
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: Literal["stop", "length"] | None = None
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
 # ---------------------------------------------------------------- data plane (internal)
 
 
@@ -187,6 +333,98 @@ class StageResult(_Message):
     collective_ms: float = 0.0
 
 
+class SequenceSpan(BaseModel):
+    """Rows ``[offset, offset + count)`` of a step's packed tensors are tokens
+    ``[start, start + count)`` of sequence ``seq``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq: int = Field(ge=0)
+    start: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+
+class SequenceReservation(BaseModel):
+    """Room for ``capacity`` tokens of a new sequence in every rank's KV cache."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq: int = Field(ge=0)
+    capacity: int = Field(ge=1)
+
+
+class RowSampling(BaseModel):
+    """How the last stage's leader picks the next token of one logit row: ``index`` is
+    the position of that token among the sequence's generated tokens (for the seeded RNG)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    seq: int = Field(ge=0)
+    index: int = Field(ge=0)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    logprobs: int | None = None
+
+
+class StepWork(_Message):
+    """One generation step for one pipeline stage: the packed tokens of several sequences
+    (prefill chunks and single decode tokens mixed), in one publish to every rank of it.
+
+    Before running, each rank frees ``free`` and reserves ``reserve`` in its KV cache; the
+    ``attention`` ops then read and extend the caches of the ``layout``'s sequences. The
+    inputs are ``input_ids`` (stage 0) or the previous stage's hidden state, with
+    ``positions`` and ``logit_rows``. The last stage's leader samples one token per logit
+    row with ``sampling`` (same order) and returns them in its StepResult.
+    """
+
+    kind: Literal["step.work"] = "step.work"
+    step: str
+    servable: str
+    version: int
+    stage: int = Field(ge=0)
+    inputs: TensorMap
+    digest: str
+    deadline: float
+    result_to: str
+    layout: tuple[SequenceSpan, ...] = ()
+    reserve: tuple[SequenceReservation, ...] = ()
+    free: tuple[int, ...] = ()
+    sampling: tuple[RowSampling, ...] = ()
+
+
+class StepResult(_Message):
+    """One rank's outcome of a generation step's stage (as StageResult for a job), and from
+    the last stage's leader the sampled ``tokens`` (one per logit row) with their logprobs."""
+
+    kind: Literal["step.result"] = "step.result"
+    step: str
+    servable: str
+    version: int
+    stage: int
+    rank: int
+    digest: str = ""
+    outputs: TensorMap | None = None
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
+    error: ErrorInfo | None = None
+    compute_ms: float = 0.0
+    collective_ms: float = 0.0
+    kv_used_bytes: int = 0
+
+
+class SequencesFree(_Message):
+    """Ranks free these sequences' KV caches (finished, cancelled or failed between steps).
+    Sent on the stage exchange like StepWork, so it keeps its place among the steps."""
+
+    kind: Literal["step.free"] = "step.free"
+    servable: str
+    version: int
+    stage: int = Field(ge=0)
+    seqs: tuple[int, ...] = Field(min_length=1)
+
+
 class CollectivePart(_Message):
     """One rank's contribution to collective ``step`` of a job's stage.
 
@@ -225,6 +463,11 @@ class _AgentState(_Message):
     jobs_done: int = 0
     compute_ms_total: float = 0.0
     collective_ms_total: float = 0.0
+    # generation servables: the rank's KV cache budget, use, and cost of one token
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    sequences: int = 0
 
 
 class AgentHello(_AgentState):
@@ -337,6 +580,9 @@ class RankStatus(BaseModel):
     jobs_done: int = 0
     compute_ms_total: float = 0.0
     collective_ms_total: float = 0.0
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    sequences: int = 0
 
 
 class MethodStatus(BaseModel):
@@ -371,6 +617,11 @@ class ServableStatus(BaseModel):
     batches_total: int = 0
     batched_instances_total: int = 0
     state: Literal["loading", "available", "unloading", "failed"] = "available"
+    generation: bool = False  # a text-generation servable (OpenAI / generate routes)
+    running_sequences: int = 0
+    waiting_sequences: int = 0
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
 
 
 class MeshStatus(_Message):
@@ -389,8 +640,14 @@ Message = Annotated[
     | InferReply
     | InferRequestBundle
     | InferReplyBundle
+    | GenerateRequest
+    | GenerateCancel
+    | GenerateChunk
     | StageWork
     | StageResult
+    | StepWork
+    | StepResult
+    | SequencesFree
     | CollectivePart
     | AgentHello
     | AgentHeartbeat
@@ -410,8 +667,14 @@ MESSAGE_TYPES: tuple[type[_Message], ...] = (
     InferReply,
     InferRequestBundle,
     InferReplyBundle,
+    GenerateRequest,
+    GenerateCancel,
+    GenerateChunk,
     StageWork,
     StageResult,
+    StepWork,
+    StepResult,
+    SequencesFree,
     CollectivePart,
     AgentHello,
     AgentHeartbeat,
