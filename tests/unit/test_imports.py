@@ -119,6 +119,7 @@ LAYERS: dict[str, int] = {
     "amqp": 3,
     "runtime": 4,
     "client": 4,
+    "text": 4,
     "tools": 5,
     "lite": 6,
     "ops": 7,

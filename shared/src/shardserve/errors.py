@@ -36,6 +36,7 @@ class ErrorCode(StrEnum):
     RANK_MISMATCH = "rank_mismatch"
     RANK_LOST = "rank_lost"
     STAGE_FAILED = "stage_failed"
+    CANCELLED = "cancelled"  # the caller stopped a generation
 
 
 _HTTP_STATUS: dict[ErrorCode, int] = {
@@ -48,6 +49,7 @@ _HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.RANK_MISMATCH: 500,
     ErrorCode.RANK_LOST: 503,
     ErrorCode.STAGE_FAILED: 500,
+    ErrorCode.CANCELLED: 499,  # "client closed request", as nginx names it
 }
 
 

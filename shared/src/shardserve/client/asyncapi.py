@@ -47,6 +47,8 @@ ERROR_MEANINGS: dict[ErrorCode, str] = {
     ErrorCode.RANK_LOST: "a rank stopped heartbeating while the request was in flight. "
     "Retry once the group has healed.",
     ErrorCode.STAGE_FAILED: "a rank failed to run its stage (the message says why).",
+    ErrorCode.CANCELLED: "the caller cancelled the generation (GenerateCancel); its stream "
+    "ends with this error.",
 }
 
 TENSOR_LAYOUT = (

@@ -1,0 +1,1 @@
+"""Text for generation: tokenizing, chat templates, incremental detokenizing, stop strings."""
