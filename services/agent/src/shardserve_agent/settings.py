@@ -1,6 +1,8 @@
 """Agent settings: the command line, with defaults from ``SHARDSERVE_AGENT_*`` variables.
 
-Read once in ``__main__``; everything else receives the frozen ``AgentSettings``.
+Each option is declared once, on the ``AgentSettings`` field it fills
+(``shardserve.process.options``). Read once in ``__main__``; everything else receives the
+frozen ``AgentSettings``.
 """
 
 from __future__ import annotations
@@ -11,17 +13,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardserve.process import options
 from shardserve.process.cores import usable_cores
+from shardserve.process.options import option
 from shardserve.process.settings import (
     BrokerSettings,
-    env_default,
-    env_flag,
     non_negative_int,
     positive_float,
     positive_int,
     threads_count,
 )
-from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode
+from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode, default_cache_dir
 
 ENV_PREFIX = "SHARDSERVE_AGENT_"
 
@@ -54,34 +56,11 @@ SHARE_WEIGHTS_HELP = (
 )
 
 
-@dataclass(frozen=True)
-class AgentSettings:
-    """Everything an agent needs to know, decided once at start."""
-
-    repository: Path
-    servable: str
-    rank: int
-    version: int | None = None  # None: the highest version in the repository
-    threads: int = 1
-    cache_dir: Path | None = None  # None: the default folder (see CACHE_DIR_HELP)
-    use_cache: bool = True
-    cache_mode: CacheMode = "standard"
-    share_weights: bool = True
-    max_memory_mb: int | None = None
-    heartbeat_interval: float = 1.0
-    drain_seconds: float = 10.0
-    broker: BrokerSettings = field(default_factory=BrokerSettings)
-
-    def default_cache_dir(self, version: int, environ: Mapping[str, str] | None = None) -> Path:
-        env = os.environ if environ is None else environ
-        base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        return base / "shardserve" / self.servable / str(version) / f"rank_{self.rank}"
-
-    def resolved_cache_dir(self, version: int) -> Path | None:
-        """The compile cache folder, or None when the cache is off."""
-        if not self.use_cache:
-            return None
-        return self.cache_dir or self.default_cache_dir(version)
+THREADS_HELP = (
+    "onnxruntime intra-op threads per session (default 1; auto: every core this process may "
+    "use, its affinity capped by its cgroup CPU quota, e.g. one agent per container with a "
+    "CPU limit)"
+)
 
 
 def _cache_mode(text: str) -> CacheMode:
@@ -91,92 +70,76 @@ def _cache_mode(text: str) -> CacheMode:
     raise ValueError(f"unknown cache mode {text!r}")
 
 
+@dataclass(frozen=True, kw_only=True)  # kw_only: required options may follow --version
+class AgentSettings:
+    """Everything an agent needs to know, decided once at start."""
+
+    repository: Path = field(
+        metadata=options.required("--repository", parse=Path, help="model repository folder")
+    )
+    servable: str = field(
+        metadata=options.required("--servable", help="servable name (a folder of the repository)")
+    )
+    version: int | None = option(  # None: the highest version in the repository
+        "--version",
+        parse=positive_int,
+        help="servable version (default: the highest in the repository)",
+    )
+    rank: int = field(
+        metadata=options.required(
+            "--rank", parse=non_negative_int, help="the rank this agent serves"
+        )
+    )
+    threads: int = option(
+        "--threads",
+        1,
+        parse=threads_count,
+        help=THREADS_HELP,
+        to_field=lambda count: count or usable_cores(),  # None: "auto"
+    )
+    cache_dir: Path | None = option(  # None: the default folder (see CACHE_DIR_HELP)
+        "--cache-dir", parse=Path, help=CACHE_DIR_HELP
+    )
+    use_cache: bool = option(
+        "--no-cache", True, kind="off_switch", help="do not use the compile cache"
+    )
+    cache_mode: CacheMode = option(
+        "--cache-mode", "standard", choices=CACHE_MODES, help=CACHE_MODE_HELP, to_field=_cache_mode
+    )
+    share_weights: bool = option("--share-weights", True, kind="switch", help=SHARE_WEIGHTS_HELP)
+    max_memory_mb: int | None = option("--max-memory-mb", parse=positive_int, help=MEMORY_HELP)
+    heartbeat_interval: float = option(
+        "--heartbeat-interval", 1.0, parse=positive_float, help="seconds between heartbeats"
+    )
+    drain_seconds: float = option(
+        "--drain-seconds",
+        10.0,
+        parse=float,
+        help="on SIGTERM, how long the job in flight may take to finish (default 10)",
+        to_field=lambda seconds: max(0.0, seconds),
+    )
+    broker: BrokerSettings = field(default_factory=BrokerSettings)
+
+    def default_cache_dir(self, version: int, environ: Mapping[str, str] | None = None) -> Path:
+        return default_cache_dir(self.servable, version, self.rank, environ)
+
+    def resolved_cache_dir(self, version: int) -> Path | None:
+        """The compile cache folder, or None when the cache is off."""
+        if not self.use_cache:
+            return None
+        return self.cache_dir or self.default_cache_dir(version)
+
+
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """The agent's command line; every option defaults from SHARDSERVE_AGENT_<OPTION>."""
-    env = os.environ if environ is None else environ
-
-    def default(name: str) -> str | None:
-        return env_default(env, ENV_PREFIX, name)
-
-    parser = argparse.ArgumentParser(
+    return options.build_parser(
+        AgentSettings,
+        os.environ if environ is None else environ,
+        prefix=ENV_PREFIX,
         prog="shardserve_agent",
         description="Serve one rank of a servable: load its ONNX slice, run stage work, "
         "exchange collectives with the stage's other ranks over RabbitMQ.",
     )
-    add = parser.add_argument
-    repo_default, servable_default, rank_default = (
-        default("REPOSITORY"),
-        default("SERVABLE"),
-        default("RANK"),
-    )
-    add(
-        "--repository",
-        type=Path,
-        default=repo_default,
-        required=repo_default is None,
-        help="model repository folder",
-    )
-    add(
-        "--servable",
-        default=servable_default,
-        required=servable_default is None,
-        help="servable name (a folder of the repository)",
-    )
-    add(
-        "--version",
-        type=positive_int,
-        default=default("VERSION"),
-        help="servable version (default: the highest in the repository)",
-    )
-    add(
-        "--rank",
-        type=non_negative_int,
-        default=rank_default,
-        required=rank_default is None,
-        help="the rank this agent serves",
-    )
-    add(
-        "--threads",
-        type=threads_count,
-        default=default("THREADS") or "1",
-        help="onnxruntime intra-op threads per session (default 1; auto: every core this "
-        "process may use, its affinity capped by its cgroup CPU quota, e.g. one agent per "
-        "container with a CPU limit)",
-    )
-    add("--cache-dir", type=Path, default=default("CACHE_DIR"), help=CACHE_DIR_HELP)
-    add(
-        "--no-cache",
-        dest="use_cache",
-        action="store_false",
-        default=env_flag(env, ENV_PREFIX, "CACHE", True),
-        help="do not use the compile cache",
-    )
-    add(
-        "--cache-mode",
-        choices=CACHE_MODES,
-        default=default("CACHE_MODE") or "standard",
-        help=CACHE_MODE_HELP,
-    )
-    add(
-        "--share-weights",
-        action=argparse.BooleanOptionalAction,
-        default=env_flag(env, ENV_PREFIX, "SHARE_WEIGHTS", True),
-        help=SHARE_WEIGHTS_HELP,
-    )
-    add("--max-memory-mb", type=positive_int, default=default("MAX_MEMORY_MB"), help=MEMORY_HELP)
-    add(
-        "--heartbeat-interval",
-        type=positive_float,
-        default=default("HEARTBEAT_INTERVAL") or 1.0,
-        help="seconds between heartbeats",
-    )
-    add(
-        "--drain-seconds",
-        type=float,
-        default=default("DRAIN_SECONDS") or 10.0,
-        help="on SIGTERM, how long the job in flight may take to finish (default 10)",
-    )
-    return parser
 
 
 def parse_settings(
@@ -184,23 +147,7 @@ def parse_settings(
 ) -> AgentSettings:
     """Parse the command line (exits with code 2 on a usage error)."""
     env = os.environ if environ is None else environ
-    parser = build_parser(env)
-    args = parser.parse_args(argv)
-    if args.cache_mode not in CACHE_MODES:  # a bad SHARDSERVE_AGENT_CACHE_MODE value
-        parser.error(f"--cache-mode must be {'|'.join(CACHE_MODES)}, not {args.cache_mode!r}")
-    # argparse applies ``type`` to string defaults, so env values are checked the same way.
+    args = build_parser(env).parse_args(argv)
     return AgentSettings(
-        repository=args.repository,
-        servable=args.servable,
-        rank=int(args.rank),
-        version=None if args.version is None else int(args.version),
-        threads=args.threads or usable_cores(),
-        cache_dir=args.cache_dir,
-        use_cache=bool(args.use_cache),
-        cache_mode=_cache_mode(args.cache_mode),
-        share_weights=bool(args.share_weights),
-        max_memory_mb=None if args.max_memory_mb is None else int(args.max_memory_mb),
-        heartbeat_interval=float(args.heartbeat_interval),
-        drain_seconds=max(0.0, float(args.drain_seconds)),
-        broker=BrokerSettings.from_env(dict(env)),
+        **options.option_values(AgentSettings, args), broker=BrokerSettings.from_env(env)
     )

@@ -1,9 +1,11 @@
 """Gateway settings: command line options that default from ``SHARDSERVE_GATEWAY_*`` env vars.
 
-``build_parser()`` is the pinned command line (see the README); ``GatewaySettings.from_args``
-turns parsed options into the frozen settings object that ``__main__`` builds once.
-Bearer tokens come from ``--tokens-file`` (one token a line, ``#`` comments) or from
-``SHARDSERVE_GATEWAY_TOKENS`` (comma-separated); both may be given and are merged.
+Each option is declared once, on the ``GatewaySettings`` field it fills
+(``shardserve.process.options``). ``build_parser()`` is the pinned command line (see the
+README); ``GatewaySettings.from_args`` turns parsed options into the frozen settings object
+that ``__main__`` builds once. Bearer tokens come from ``--tokens-file`` (one token a line,
+``#`` comments) or from ``SHARDSERVE_GATEWAY_TOKENS`` (comma-separated); both may be given
+and are merged.
 """
 
 from __future__ import annotations
@@ -13,101 +15,88 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from shardserve.process.settings import BrokerSettings, env_default, env_flag
+from shardserve.process import options
+from shardserve.process.options import option
+from shardserve.process.settings import BrokerSettings
 
 ENV_PREFIX = "SHARDSERVE_GATEWAY_"
 MAX_TIMEOUT_S = 300.0
+MIB = 1024 * 1024
 
 
-def _env(environ: Mapping[str, str], name: str, default: str) -> str:
-    return env_default(environ, ENV_PREFIX, name, default)
-
-
-def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """Return the gateway's argument parser; defaults come from the environment."""
-    env = os.environ if environ is None else environ
-    p = argparse.ArgumentParser(
-        prog="shardserve_gateway",
-        description="HTTP front door of shardserve: KServe v2 and MindSpore Serving REST.",
-    )
-    p.add_argument("--host", default=_env(env, "HOST", "127.0.0.1"))
-    p.add_argument("--http-port", type=int, default=int(_env(env, "HTTP_PORT", "8080")))
-    p.add_argument(
-        "--default-timeout",
-        type=float,
-        default=float(_env(env, "DEFAULT_TIMEOUT", "30")),
-        help="seconds a request may take when it names no timeout of its own",
-    )
-    p.add_argument(
-        "--max-timeout",
-        type=float,
-        default=float(_env(env, "MAX_TIMEOUT", str(MAX_TIMEOUT_S))),
-        help="upper bound for any request's timeout (seconds)",
-    )
-    p.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=float(_env(env, "MAX_BODY_MB", "64")),
-        help="largest request body accepted, after decompression (MiB)",
-    )
-    p.add_argument(
-        "--max-inflight",
-        type=int,
-        default=int(_env(env, "MAX_INFLIGHT", "256")),
-        help="requests this gateway keeps in flight; beyond it, 503 + Retry-After at once",
-    )
-    p.add_argument("--drain-seconds", type=float, default=float(_env(env, "DRAIN_SECONDS", "10")))
-    p.add_argument("--tokens-file", default=_env(env, "TOKENS_FILE", "") or None)
-    p.add_argument(
-        "--open-health",
-        action=argparse.BooleanOptionalAction,
-        default=env_flag(env, ENV_PREFIX, "OPEN_HEALTH", True),
-        help="serve /v2/health/* and /metrics without a token",
-    )
-    p.add_argument("--tls-cert", default=_env(env, "TLS_CERT", "") or None)
-    p.add_argument("--tls-key", default=_env(env, "TLS_KEY", "") or None)
-    p.add_argument(
-        "--status-stale-seconds",
-        type=float,
-        # 6 broadcasts' worth: a CPU-saturated scheduler (16 ranks on 2 cores in the
-        # benchmark) was seen 3 s late, and a false "stale" turns every request into a 503.
-        default=float(_env(env, "STATUS_STALE_SECONDS", "6.0")),
-        help="scheduler status older than this counts as 'not ready'",
-    )
-    p.add_argument(
-        "--reuse-port",
-        action=argparse.BooleanOptionalAction,
-        default=env_flag(env, ENV_PREFIX, "REUSE_PORT", False),
-        help="share the HTTP port with other gateway processes on this host (SO_REUSEPORT: "
-        "the kernel spreads connections across them)",
-    )
-    p.add_argument("--gateway-id", default=_env(env, "ID", "") or None)
-    p.add_argument("--log-level", default=_env(env, "LOG_LEVEL", "") or None)
-    return p
+def default_gateway_id() -> str:
+    """A gateway id unique on the broker: host, pid and a random suffix."""
+    host = socket.gethostname().split(".")[0] or "host"
+    return f"gw-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
     """Everything the gateway reads from its command line and environment, once."""
 
-    host: str = "127.0.0.1"
-    http_port: int = 8080
-    default_timeout_s: float = 30.0
-    max_timeout_s: float = MAX_TIMEOUT_S
-    max_body_bytes: int = 64 * 1024 * 1024
-    drain_seconds: float = 10.0
-    tokens: tuple[str, ...] = ()
-    open_health: bool = True
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    status_stale_s: float = 6.0
-    max_inflight: int = 256
-    reuse_port: bool = False
-    gateway_id: str = field(default_factory=lambda: default_gateway_id())
-    log_level: str | None = None
+    host: str = option("--host", "127.0.0.1")
+    http_port: int = option("--http-port", 8080, parse=int)
+    default_timeout_s: float = option(
+        "--default-timeout",
+        30.0,
+        parse=float,
+        help="seconds a request may take when it names no timeout of its own",
+    )
+    max_timeout_s: float = option(
+        "--max-timeout",
+        MAX_TIMEOUT_S,
+        parse=float,
+        help="upper bound for any request's timeout (seconds)",
+    )
+    max_body_bytes: int = option(
+        "--max-body-mb",
+        64.0,
+        parse=float,
+        help="largest request body accepted, after decompression (MiB)",
+        to_field=lambda mb: int(mb * MIB),
+    )
+    max_inflight: int = option(
+        "--max-inflight",
+        256,
+        parse=int,
+        help="requests this gateway keeps in flight; beyond it, 503 + Retry-After at once",
+        to_field=lambda count: max(1, count),
+    )
+    drain_seconds: float = option(
+        "--drain-seconds", 10.0, parse=float, to_field=lambda s: max(0.0, s)
+    )
+    tokens_file: str | None = option("--tokens-file")
+    open_health: bool = option(
+        "--open-health",
+        True,
+        kind="switch",
+        help="serve /v2/health/* and /metrics without a token",
+    )
+    tls_cert: str | None = option("--tls-cert")
+    tls_key: str | None = option("--tls-key")
+    status_stale_s: float = option(
+        "--status-stale-seconds",
+        # 6 broadcasts' worth: a CPU-saturated scheduler (16 ranks on 2 cores in the
+        # benchmark) was seen 3 s late, and a false "stale" turns every request into a 503.
+        6.0,
+        parse=float,
+        help="scheduler status older than this counts as 'not ready'",
+    )
+    reuse_port: bool = option(
+        "--reuse-port",
+        False,
+        kind="switch",
+        help="share the HTTP port with other gateway processes on this host (SO_REUSEPORT: "
+        "the kernel spreads connections across them)",
+    )
+    gateway_id: str = option(
+        "--gateway-id", env="ID", to_field=lambda given: given or default_gateway_id()
+    )
+    log_level: str | None = option("--log-level")
+    tokens: tuple[str, ...] = ()  # from --tokens-file and SHARDSERVE_GATEWAY_TOKENS
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 
     @classmethod
@@ -124,24 +113,26 @@ class GatewaySettings:
             max_body_mb=args.max_body_mb,
             status_stale_seconds=args.status_stale_seconds,
         )
-        return cls(
-            host=args.host,
-            http_port=args.http_port,
-            default_timeout_s=min(args.default_timeout, args.max_timeout),
-            max_timeout_s=args.max_timeout,
-            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-            drain_seconds=max(0.0, args.drain_seconds),
+        settings = cls(
+            **options.option_values(cls, args),
             tokens=load_tokens(args.tokens_file, env.get(ENV_PREFIX + "TOKENS", "")),
-            open_health=args.open_health,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            status_stale_s=args.status_stale_seconds,
-            max_inflight=max(1, args.max_inflight),
-            reuse_port=args.reuse_port,
-            gateway_id=args.gateway_id or default_gateway_id(),
-            log_level=args.log_level,
-            broker=BrokerSettings.from_env(dict(env)),
+            broker=BrokerSettings.from_env(env),
         )
+        # No request may wait longer than --max-timeout, its default deadline included.
+        return replace(
+            settings, default_timeout_s=min(settings.default_timeout_s, settings.max_timeout_s)
+        )
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Return the gateway's argument parser; defaults come from the environment."""
+    return options.build_parser(
+        GatewaySettings,
+        os.environ if environ is None else environ,
+        prefix=ENV_PREFIX,
+        prog="shardserve_gateway",
+        description="HTTP front door of shardserve: KServe v2 and MindSpore Serving REST.",
+    )
 
 
 def _require_positive(**values: float) -> None:
@@ -159,9 +150,3 @@ def load_tokens(tokens_file: str | None, env_tokens: str) -> tuple[str, ...]:
             if line and not line.startswith("#"):
                 tokens.append(line)
     return tuple(dict.fromkeys(tokens))
-
-
-def default_gateway_id() -> str:
-    """A gateway id unique on the broker: host, pid and a random suffix."""
-    host = socket.gethostname().split(".")[0] or "host"
-    return f"gw-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -81,6 +81,8 @@ class Broker:
         self.healthy = False
         self.dead_lettered = 0
         self.reconnects = 0
+        # Message ids are unique, so this broker's consumers share one reassembler.
+        self._chunks = chunking.Reassembler(max_total_bytes=codec.MAX_MESSAGE_BYTES)
         self._state_listeners: list[Callable[[bool], None]] = []
 
     def add_state_listener(self, listener: Callable[[bool], None]) -> None:
@@ -281,7 +283,7 @@ class Broker:
                 underlay = await channel.get_underlay_channel()
             # Above SHARDSERVE_MAX_MESSAGE_BYTES a body goes as chunks (shardserve.wire.chunking).
             pieces = [body] if isinstance(body, bytes) else body
-            for part, headers in chunking.split_pieces(pieces, chunking.max_message_bytes()):
+            for part, headers in chunking.split_pieces(pieces, self._settings.max_message_bytes):
                 properties = spec.Basic.Properties(
                     content_type=codec.CONTENT_TYPE,
                     headers=headers or None,
@@ -407,7 +409,7 @@ class Broker:
         """The delivery's message; None when there is nothing to hand over (a chunk of a
         message still incomplete, or a bad message, dead-lettered here)."""
         try:
-            body = chunking.incoming().take(incoming.headers, incoming.body)
+            body = self._chunks.take(incoming.headers, incoming.body)
             # A chunk held until its message is whole: acked now (its message is lost with
             # this process either way), and decoded off the loop when big.
             message = None if body is None else await codec.decode_off_loop(body)

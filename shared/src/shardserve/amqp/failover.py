@@ -20,15 +20,13 @@ from typing import Any
 from aio_pika.robust_connection import RobustConnection
 from yarl import URL
 
+from shardserve.process.redact import redact_url
+
 _logger = logging.getLogger(__name__)
 
 # RobustConnection's per-attempt method (name-mangled ``__connect_transport``).
 ATTEMPT_HOOK = "_RobustConnection__connect_transport"
 _ROBUST_ONLY = ("reconnect_interval", "fail_fast")
-
-
-def _redacted(url: URL) -> str:
-    return str(url.with_password("***")) if url.password else str(url)
 
 
 class FailoverConnection(RobustConnection):
@@ -44,7 +42,7 @@ class FailoverConnection(RobustConnection):
 
     @property
     def current_url(self) -> str:
-        return _redacted(self.url)
+        return redact_url(str(self.url))
 
     def _advance(self) -> None:
         """Point the next attempt at the next broker, with that URL's own parameters."""
@@ -57,7 +55,7 @@ class FailoverConnection(RobustConnection):
         for name in _ROBUST_ONLY:
             self.kwargs.pop(name, None)  # RobustConnection keeps these as attributes
         self.kwargs["context"] = context
-        _logger.warning("broker unreachable; next attempt goes to %s", _redacted(self.url))
+        _logger.warning("broker unreachable; next attempt goes to %s", redact_url(str(self.url)))
 
     async def _RobustConnection__connect_transport(self) -> None:  # see ATTEMPT_HOOK
         if self._last_attempt_failed:

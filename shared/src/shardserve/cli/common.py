@@ -7,8 +7,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
+# The subcommands' argument type is the services' one (re-exported for cli.models/cli.serve).
+from shardserve.process.settings import positive_int as positive_int
+
 if TYPE_CHECKING:
-    from shardserve.repo.repository import GroupConfig
+    from shardserve.repo.repository import GroupConfig, ProgramOp
 
     Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
 
@@ -22,13 +25,6 @@ def stderr_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def describe_group(group: GroupConfig) -> str:
     """A human report of one exported/sliced version: stages, programs, rank checksums."""
     lines = [
@@ -38,15 +34,21 @@ def describe_group(group: GroupConfig) -> str:
         "  outputs: " + ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in group.outputs),
     ]
     for stage in group.stages:
-        ops = " -> ".join(
-            op.file if op.op == "run" else f"{op.op}({op.input})" for op in stage.program
-        )
+        ops = " -> ".join(_describe_op(op) for op in stage.program)
         ranks = ",".join(str(r) for r in stage.ranks)
         lines.append(f"  stage {stage.index} ranks [{ranks}]: {ops}")
     for rank in group.ranks:
         files = ", ".join(sorted(rank.files))
         lines.append(f"  rank {rank.rank} (stage {rank.stage}) {rank.checksum[:12]}  {files}")
     return "\n".join(lines)
+
+
+def _describe_op(op: ProgramOp) -> str:
+    if op.op == "run":
+        return op.file
+    if op.op == "attention":
+        return f"attention(layer {op.layer})"
+    return f"{op.op}({op.input})"
 
 
 def report_or_fail(command: str, produce: Callable[[], GroupConfig]) -> int:

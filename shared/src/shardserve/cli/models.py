@@ -4,6 +4,7 @@ repositories (per-rank ONNX slices, group.json) and per-host bundles of them."""
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,12 +33,14 @@ def _already_exported(out: Path, name: str, version: int) -> bool:
 # ---------------------------------------------------------------- export
 
 
-def _add_common_export_options(parser: argparse.ArgumentParser, default_name: str) -> None:
+def _add_common_export_options(parser: argparse.ArgumentParser, default_name: str | None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="model repository folder")
     parser.add_argument("--rank-size", type=positive_int, default=1, help="ranks in the group")
     parser.add_argument("--stage-size", type=positive_int, default=1, help="pipeline stages")
     parser.add_argument("--version", type=positive_int, default=1, help="version folder number")
-    parser.add_argument("--name", default=default_name, help="servable name")
+    parser.add_argument(
+        "--name", default=default_name, help="servable name (hf: the checkpoint folder's name)"
+    )
     existing = parser.add_mutually_exclusive_group()
     existing.add_argument(
         "--overwrite", action="store_true", help="replace an existing <out>/<name>/<version>"
@@ -113,7 +116,15 @@ def _export_transformer(args: argparse.Namespace) -> int:
     )
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from shardserve.tools.export.hf import export_hf
+
+    return _export("export hf", functools.partial(export_hf, args.checkpoint), args)
+
+
 def _run_export(args: argparse.Namespace) -> int:
+    if args.name is None:  # export hf: the checkpoint folder's name
+        args.name = args.checkpoint.resolve().name
     if args.if_missing:
         if _already_exported(args.out, args.name, args.version):
             print(f"{args.out / args.name / str(args.version)} already holds a valid export; kept")
@@ -157,6 +168,14 @@ def build_export(subparsers: Subparsers) -> None:
     tf.add_argument("--seed", type=int, default=0)
     tf.add_argument("--weights", type=Path, default=None, help="weights file instead of seed")
     tf.set_defaults(exporter=_export_transformer)
+
+    hf = models.add_parser(
+        "hf",
+        help="a Hugging Face decoder checkpoint (GPT-2, Llama, Mistral, Qwen2 safetensors)",
+    )
+    hf.add_argument("checkpoint", type=Path, help="folder with config.json and *.safetensors")
+    _add_common_export_options(hf, default_name=None)
+    hf.set_defaults(exporter=_export_hf)
 
     parser.set_defaults(handler=_run_export)
 

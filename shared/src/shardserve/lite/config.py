@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.lite.errors import ConfigFileError
+from shardserve.process.integers import parse_positive_int
 from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode
 
 KNOWN_KEYS: dict[str, frozenset[str]] = {
@@ -91,11 +92,13 @@ def _positive(parser: configparser.ConfigParser, path: Path, section: str, key: 
     if not parser.has_option(section, key):
         return None
     text = parser.get(section, key)
-    if not text.isdigit() or int(text) < 1:
+    value = parse_positive_int(text)
+    if value is None:
         raise ConfigFileError(
-            f"config file {path}: [{section}] {key} must be an integer >= 1, got {text!r}"
+            f"config file {path}: [{section}] {key} must be an integer >= 1 in ASCII digits, "
+            f"got {text!r}"
         )
-    return int(text)
+    return value
 
 
 def _folder(parser: configparser.ConfigParser, path: Path) -> Path | None:

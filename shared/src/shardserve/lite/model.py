@@ -41,12 +41,18 @@ from shardserve.runtime.compile_cache import (
     SessionConfig,
     default_cache_dir,
 )
-from shardserve.runtime.program import Collective, Env, OrtSegment, run_stage
+from shardserve.runtime.program import (
+    Collective,
+    Env,
+    GatherCollective,
+    OrtSegment,
+    run_stage,
+)
 
 _logger = logging.getLogger(__name__)
 
 
-class _SoloCollective:
+class _SoloCollective(GatherCollective):
     """A stage of one rank: every collective is the rank's own tensor."""
 
     async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:

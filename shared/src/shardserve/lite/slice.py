@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.lite.errors import ModelPathError
-from shardserve.repo.repository import GROUP_FILE, GroupConfig, load_group
+from shardserve.repo.repository import GROUP_FILE, GroupConfig, load_group, version_of_folder
 from shardserve.runtime.compile_cache import CacheStatus, CompileCache
 from shardserve.runtime.program import OrtSegment
 from shardserve.runtime.segments import find_shared_weights, open_segments, rank_segments
@@ -53,9 +53,13 @@ def locate(path: Path) -> SliceLocation:
             f"{path} is not a model version folder (no {GROUP_FILE}) nor a rank_<r> folder "
             f"inside one; pass e.g. models/matmul/1 or models/matmul/1/rank_0"
         )
-    if not folder.name.isdigit():
-        raise ModelPathError(f"{folder} holds {GROUP_FILE} but its name is not a version number")
-    return SliceLocation(folder.parent.parent, folder.parent.name, int(folder.name), rank)
+    version = version_of_folder(folder.name)
+    if version is None:
+        raise ModelPathError(
+            f"{folder} holds {GROUP_FILE} but its name is not a version number "
+            "(1, 2, ... in ASCII digits, no leading zero)"
+        )
+    return SliceLocation(folder.parent.parent, folder.parent.name, version, rank)
 
 
 def load_version(location: SliceLocation) -> GroupConfig:

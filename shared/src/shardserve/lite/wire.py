@@ -35,7 +35,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import AMQPError, ChannelClosed
@@ -44,6 +43,7 @@ from shardserve.amqp.broker import Broker
 from shardserve.amqp.collective import MIN_SHARD_BYTES, CollectiveHub
 from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
+from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
 from shardserve.repo.repository import GroupConfig
 from shardserve.runtime.program import Env
@@ -81,14 +81,6 @@ def run_bindings(run: str, rank: int, stage: int) -> tuple[Binding, ...]:
         Binding(name, COLLECTIVE_EXCHANGE, run_key_all(run)),
         Binding(name, COLLECTIVE_EXCHANGE, run_key_stage(run, stage)),
     )
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 @dataclass(frozen=True)
@@ -136,7 +128,7 @@ class RunMesh:
         except (OSError, AMQPError) as exc:
             raise UnavailableError(
                 f"rank {self.rank}: cannot reach the message broker at "
-                f"{_without_password(self._url)}: {exc}"
+                f"{redact_url(self._url)}: {exc}"
             ) from exc
         queue = run_queue(self.run, self.rank)
         try:

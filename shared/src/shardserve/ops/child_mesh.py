@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from shardserve.process.integers import parse_positive_int
 from shardserve.process.settings import AMQP_URL_ENV, DEFAULT_AMQP_URL
 
 SHARDSERVE = str(Path(sys.executable).parent / "shardserve")
@@ -128,12 +129,13 @@ def children_of(parent: int) -> list[int]:
     """Pids whose parent is ``parent`` (Linux /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        pid = parse_positive_int(entry.name)
+        if pid is None:
             continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
+        with contextlib.suppress(OSError, IndexError):
             stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry.name))
+            if parse_positive_int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(pid)
     return found
 
 

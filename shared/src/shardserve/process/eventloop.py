@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 from collections.abc import Callable
 
-LOOP_ENV = "SHARDSERVE_EVENT_LOOP"
+from shardserve.process.settings import EVENT_LOOP_ENV, ProcessSettings
+
+LOOP_ENV = EVENT_LOOP_ENV
 LOOPS = ("uvloop", "asyncio")
 
 
@@ -34,4 +35,4 @@ def loop_factory(choice: str | None) -> Callable[[], asyncio.AbstractEventLoop] 
 
 def configured_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     """``loop_factory`` for this process's SHARDSERVE_EVENT_LOOP."""
-    return loop_factory(os.environ.get(LOOP_ENV))
+    return loop_factory(ProcessSettings.from_env().event_loop)

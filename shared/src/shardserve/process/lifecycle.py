@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 
 from shardserve.process.eventloop import configured_loop_factory
 from shardserve.process.heap import keep_freed_memory
+from shardserve.process.settings import ProcessSettings
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -40,7 +40,7 @@ def setup_logging(service: str, level: str | None = None) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel((level or os.environ.get("SHARDSERVE_LOG_LEVEL", "INFO")).upper())
+    root.setLevel((level or ProcessSettings.from_env().log_level).upper())
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)
 

@@ -1,7 +1,8 @@
-"""Settings shared by every service: the broker address and logging.
+"""Settings shared by every service: the broker address, logging and the event loop.
 
-Each service has its own settings class (prefixed environment variables, read once in its
-``__main__``); they compose ``BrokerSettings``.
+Each service has its own settings class (options declared once, see
+``shardserve.process.options``; prefixed environment variables, read once in its
+``__main__``); they compose ``BrokerSettings``, which is read from the environment only.
 """
 
 from __future__ import annotations
@@ -10,14 +11,36 @@ import argparse
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar, overload
 
 from shardserve.process.cores import parse_threads
+from shardserve.process.integers import ASCII_DIGITS_RULE, parse_positive_int
+from shardserve.process.options import from_environment, variable
 
 DEFAULT_AMQP_URL = "amqp://guest:guest@127.0.0.1:5672/"
 AMQP_URL_ENV = "SHARDSERVE_AMQP_URL"
-TRUE_WORDS = ("1", "true", "yes", "on")
-DefaultT = TypeVar("DefaultT")
+LOG_LEVEL_ENV = "SHARDSERVE_LOG_LEVEL"
+EVENT_LOOP_ENV = "SHARDSERVE_EVENT_LOOP"
+MAX_MESSAGE_BYTES_ENV = "SHARDSERVE_MAX_MESSAGE_BYTES"
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MIN_MESSAGE_BYTES = 1024  # a smaller chunk size would only multiply messages
+
+
+def broker_urls(text: str) -> tuple[str, ...]:
+    """Comma-separated broker URLs (a cluster's nodes); blanks between commas ignored."""
+    urls = tuple(u.strip() for u in text.split(",") if u.strip())
+    return urls or (DEFAULT_AMQP_URL,)
+
+
+def message_bytes(text: str) -> int:
+    """The largest message the broker is sent; bigger bodies go as chunks
+    (``shardserve.wire.chunking``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be an integer, got {text!r}") from None
+    if value < MIN_MESSAGE_BYTES:
+        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be at least {MIN_MESSAGE_BYTES}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -28,21 +51,17 @@ class BrokerSettings:
     connection fails over between them through the one reconnect path.
     """
 
-    urls: tuple[str, ...] = (DEFAULT_AMQP_URL,)
-    heartbeat_s: int = 10
-    reconnect_interval_s: float = 1.0
+    urls: tuple[str, ...] = variable(AMQP_URL_ENV, (DEFAULT_AMQP_URL,), parse=broker_urls)
+    heartbeat_s: int = variable("SHARDSERVE_AMQP_HEARTBEAT", 10, parse=int)
+    reconnect_interval_s: float = variable("SHARDSERVE_AMQP_RECONNECT_INTERVAL", 1.0, parse=float)
     publish_timeout_s: float = 5.0
+    max_message_bytes: int = variable(
+        MAX_MESSAGE_BYTES_ENV, DEFAULT_MAX_MESSAGE_BYTES, parse=message_bytes
+    )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> BrokerSettings:
-        env = os.environ if environ is None else environ
-        raw = env.get(AMQP_URL_ENV, DEFAULT_AMQP_URL)
-        urls = tuple(u.strip() for u in raw.split(",") if u.strip())
-        return cls(
-            urls=urls or (DEFAULT_AMQP_URL,),
-            heartbeat_s=int(env.get("SHARDSERVE_AMQP_HEARTBEAT", "10")),
-            reconnect_interval_s=float(env.get("SHARDSERVE_AMQP_RECONNECT_INTERVAL", "1.0")),
-        )
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> BrokerSettings:
+        return from_environment(cls, os.environ if environ is None else environ)
 
     @property
     def url(self) -> str:
@@ -50,41 +69,24 @@ class BrokerSettings:
         return self.urls[0]
 
 
-# Helpers for the services' command lines: every option defaults from an environment
-# variable (``<PREFIX><NAME>``), and argparse applies ``type`` to string defaults, so an env
-# value is checked exactly like the same option on the command line.
+@dataclass(frozen=True)
+class ProcessSettings:
+    """How any shardserve process runs: its log level (a service's own ``--log-level``
+    wins) and its event loop (see ``shardserve.process.eventloop``)."""
 
+    log_level: str = variable(LOG_LEVEL_ENV, "INFO", parse=str)
+    event_loop: str | None = variable(EVENT_LOOP_ENV, None, parse=str)
 
-@overload
-def env_default(environ: Mapping[str, str], prefix: str, name: str) -> str | None: ...
-
-
-@overload
-def env_default(
-    environ: Mapping[str, str], prefix: str, name: str, default: DefaultT
-) -> str | DefaultT: ...
-
-
-def env_default(
-    environ: Mapping[str, str], prefix: str, name: str, default: object = None
-) -> object:
-    """``environ[prefix + name]``, or ``default`` when it is not set."""
-    return environ.get(prefix + name, default)
-
-
-def env_flag(environ: Mapping[str, str], prefix: str, name: str, default: bool) -> bool:
-    """A yes/no variable: 1/true/yes/on (any case) is yes, any other value no, unset ``default``."""
-    raw = environ.get(prefix + name)
-    if raw is None:
-        return default
-    return raw.strip().lower() in TRUE_WORDS
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ProcessSettings:
+        return from_environment(cls, os.environ if environ is None else environ)
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    """argparse type: an integer >= 1 (the one for every command line of the project)."""
+    value = parse_positive_int(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be >= 1 {ASCII_DIGITS_RULE}, got {text!r}")
     return value
 
 

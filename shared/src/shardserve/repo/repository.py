@@ -23,6 +23,7 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from shardserve.errors import ChecksumError, RepositoryError, UnsafePathError
+from shardserve.process.integers import parse_positive_int
 from shardserve.wire.protocol import TensorSpec
 
 GROUP_FORMAT: Final = "shardserve.group/1"
@@ -61,7 +62,21 @@ class AllReduceOp(_Frozen):
     reduce: Literal["sum"] = "sum"
 
 
-ProgramOp = Annotated[RunOp | AllGatherOp | AllReduceOp, Field(discriminator="op")]
+class AttentionOp(_Frozen):
+    """Causal attention of a step's packed rows over the rank's KV cache of ``layer``: reads
+    ``q`` [N, Hq, D], ``k`` and ``v`` [N, Hkv, D], writes ``output`` [N, Hq*D]. It runs in the
+    rank's runtime (numpy), not in ONNX: the caller of the program supplies the KV cache and
+    the step's layout (which rows are which sequence at which positions)."""
+
+    op: Literal["attention"] = "attention"
+    layer: int = Field(ge=0)
+    q: str
+    k: str
+    v: str
+    output: str
+
+
+ProgramOp = Annotated[RunOp | AllGatherOp | AllReduceOp | AttentionOp, Field(discriminator="op")]
 
 
 class StageSpec(_Frozen):
@@ -75,7 +90,7 @@ class StageSpec(_Frozen):
 
     @property
     def collective_count(self) -> int:
-        return sum(1 for op in self.program if not isinstance(op, RunOp))
+        return sum(1 for op in self.program if isinstance(op, AllGatherOp | AllReduceOp))
 
 
 class RankSpec(_Frozen):
@@ -226,15 +241,24 @@ def list_servables(repo: Path) -> list[str]:
 
 
 def list_versions(repo: Path, servable: str) -> list[int]:
-    """Version numbers (all-digit folder names with a group.json), ascending."""
+    """Version numbers (folders named by a version, with a group.json), ascending."""
     folder = confined(repo, servable)
     if not folder.is_dir():
         return []
     return sorted(
-        int(p.name)
+        version
         for p in folder.iterdir()
-        if p.is_dir() and p.name.isdigit() and int(p.name) > 0 and (p / GROUP_FILE).is_file()
+        if (version := version_of_folder(p.name)) is not None
+        and p.is_dir()
+        and (p / GROUP_FILE).is_file()
     )
+
+
+def version_of_folder(name: str) -> int | None:
+    """The version a folder name stands for, or None. Version ``n`` lives in the folder
+    ``str(n)`` (see ``version_dir``), so ``'01'`` is none either, nor is ``'¹'``."""
+    version = parse_positive_int(name)
+    return version if version is not None and str(version) == name else None
 
 
 def write_group(folder: Path, group: GroupConfig) -> Path:

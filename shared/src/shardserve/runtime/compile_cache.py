@@ -71,15 +71,20 @@ MEM_OPT_DATA = "model.onnx.data"
 MEM_OPT_MIN_EXTERNAL_BYTES = 4096
 
 
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """shardserve's folder of the user cache: ``$XDG_CACHE_HOME/shardserve`` (``~/.cache``
+    when unset), where compile caches and the demo model live."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardserve"
+
+
 def default_cache_dir(
     servable: str, version: int, rank: int, environ: Mapping[str, str] | None = None
 ) -> Path:
     """The agent's default cache folder of one rank:
     ``$XDG_CACHE_HOME/shardserve/<servable>/<version>/rank_<rank>`` (``~/.cache`` when unset).
     """
-    env = os.environ if environ is None else environ
-    base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "shardserve" / servable / str(version) / f"rank_{rank}"
+    return cache_root(environ) / servable / str(version) / f"rank_{rank}"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import math
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache, partial
 from pathlib import Path
@@ -19,8 +20,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from shardserve.amqp.collective import sum_in_rank_order
-from shardserve.repo.repository import AllGatherOp, AllReduceOp, GroupConfig, RunOp, StageSpec
+from shardserve.amqp.collective import Combine, sum_in_rank_order
+from shardserve.errors import InternalError
+from shardserve.repo.repository import (
+    AllGatherOp,
+    AllReduceOp,
+    AttentionOp,
+    GroupConfig,
+    RunOp,
+    StageSpec,
+)
 from shardserve.wire.tensors import BF16_DTYPE, is_bfloat16
 
 Env = dict[str, np.ndarray]
@@ -41,11 +50,54 @@ class SegmentRunner(Protocol):
 
 
 class Collective(Protocol):
-    """Exchange of one tensor per rank among the ranks of a stage, for step ``step``."""
+    """Exchange of one tensor per rank among the ranks of a stage, for step ``step``: what
+    every collective offers (``GatherCollective`` makes the last three from ``gather``)."""
 
     async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
         """Return every rank's array for this step, in rank order (own included)."""
         ...
+
+    async def allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
+        """The rank-order sum of every rank's array, identical bits on every rank."""
+        ...
+
+    async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
+        """``combine`` of every rank's array in rank order, identical bits on every rank."""
+        ...
+
+    async def to_leader(
+        self, step: int, array: np.ndarray, combine: Combine, *, reduce: bool
+    ) -> np.ndarray | None:
+        """``combine`` of every rank's array at the stage leader; None on a rank that only
+        contributes. A collective without point-to-point sends returns it on every rank."""
+        ...
+
+
+class GatherCollective(ABC):
+    """A collective that has only ``gather``: every rank gathers every part and combines
+    them itself (one-rank stages, in-process stages, test fakes)."""
+
+    @abstractmethod
+    async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
+        """Return every rank's array for this step, in rank order (own included)."""
+
+    async def allreduce(self, step: int, array: np.ndarray) -> np.ndarray:
+        return sum_in_rank_order(await self.gather(step, array))
+
+    async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
+        return combine(await self.gather(step, array))
+
+    async def to_leader(
+        self, step: int, array: np.ndarray, combine: Combine, *, reduce: bool
+    ) -> np.ndarray | None:
+        return await self.allcombine(step, array, combine)
+
+
+class AttentionContext(Protocol):
+    """What an ``attention`` op calls: the rank's KV cache and the step's packed layout
+    (``shardserve.runtime.attention.StepAttention``)."""
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray: ...
 
 
 async def run_stage(
@@ -56,6 +108,7 @@ async def run_stage(
     *,
     stacked: int = 0,
     outputs_at_leader: bool = False,
+    attention: AttentionContext | None = None,
 ) -> Env:
     """Run ``stage.program`` from ``inputs``; return the stage's declared outputs.
 
@@ -67,7 +120,9 @@ async def run_stage(
 
     ``outputs_at_leader``: the stage's final collectives (``final_collectives``) combine
     at the stage leader only, where the collective can (``to_leader``); the other ranks
-    then return no outputs at all (an empty mapping)."""
+    then return no outputs at all (an empty mapping).
+
+    ``attention``: the context ``attention`` ops call (required when the program has one)."""
     env: Env = dict(inputs)
     finals = final_collectives(stage) if outputs_at_leader else frozenset()
     step = 0
@@ -80,8 +135,11 @@ async def run_stage(
             else:
                 env.update(await runner.run(feeds))
             continue
+        if isinstance(op, AttentionOp):
+            env[op.output] = _attend(attention, op, env, stacked)
+            continue
         shifted = _shifted(op, stacked)
-        if index in finals and hasattr(collective, "to_leader"):
+        if index in finals:
             result = await _at_leader(collective, step, shifted, env[op.input])
         else:
             result = await _combined(collective, step, shifted, env[op.input])
@@ -89,6 +147,17 @@ async def run_stage(
             env[op.output] = result
         step += 1
     return {name: env[name] for name in stage.outputs if name in env}
+
+
+def _attend(
+    attention: AttentionContext | None, op: AttentionOp, env: Env, stacked: int
+) -> np.ndarray:
+    if attention is None or stacked:
+        raise InternalError(
+            f"layer {op.layer} attention needs a KV cache context and unstacked tensors "
+            f"(context given: {attention is not None}, stacked: {stacked})"
+        )
+    return attention.attend(op.layer, env[op.q], env[op.k], env[op.v])
 
 
 @lru_cache(maxsize=1024)
@@ -99,12 +168,17 @@ def final_collectives(stage: StageSpec) -> frozenset[int]:
     holds either all of its stage's outputs or none. Cached: the agents ask once per job,
     the scheduler once per stage result, always of the same few stages."""
     program = stage.program
-    last_run = max((i for i, op in enumerate(program) if isinstance(op, RunOp)), default=-1)
+    computed = (RunOp, AttentionOp)  # ops that compute locally, unlike the collectives
+    last_run = max((i for i, op in enumerate(program) if isinstance(op, computed)), default=-1)
     producer: dict[str, int] = {}
     for index in range(last_run + 1, len(program)):
         op = program[index]
-        assert not isinstance(op, RunOp)
-        read_later = {later.input for later in program[index + 1 :] if not isinstance(later, RunOp)}
+        assert isinstance(op, AllGatherOp | AllReduceOp)
+        read_later = {
+            later.input
+            for later in program[index + 1 :]
+            if isinstance(later, AllGatherOp | AllReduceOp)
+        }
         if op.output in stage.outputs and op.output not in read_later:
             producer[op.output] = index
     if not stage.outputs or set(stage.outputs) != set(producer):
@@ -116,10 +190,9 @@ async def _at_leader(
     collective: Collective, step: int, op: AllGatherOp | AllReduceOp, array: np.ndarray
 ) -> np.ndarray | None:
     """The collective's result at the leader; None on the ranks that only contribute."""
-    result: np.ndarray | None = await collective.to_leader(  # type: ignore[attr-defined]
+    return await collective.to_leader(
         step, array, partial(combine, op), reduce=isinstance(op, AllReduceOp)
     )
-    return result
 
 
 async def _run_stacked(
@@ -147,18 +220,11 @@ def _shifted(op: AllGatherOp | AllReduceOp, stacked: int) -> AllGatherOp | AllRe
 async def _combined(
     collective: Collective, step: int, op: AllGatherOp | AllReduceOp, array: np.ndarray
 ) -> np.ndarray:
-    """The collective's result: by ``allreduce``/``allcombine`` where the collective has
-    them (it may combine on one rank, or each rank a shard, and share the result), else
-    every part gathered and combined."""
-    allreduce = getattr(collective, "allreduce", None)
-    if isinstance(op, AllReduceOp) and allreduce is not None:
-        reduced: np.ndarray = await allreduce(step, array)
-        return reduced
-    allcombine = getattr(collective, "allcombine", None)
-    if allcombine is not None:
-        result: np.ndarray = await allcombine(step, array, lambda parts: combine(op, parts))
-        return result
-    return combine(op, await collective.gather(step, array))
+    """The collective's result on every rank, by ``allreduce``/``allcombine`` (the
+    collective may combine on one rank, or each rank a shard, and share the result)."""
+    if isinstance(op, AllReduceOp):
+        return await collective.allreduce(step, array)
+    return await collective.allcombine(step, array, partial(combine, op))
 
 
 def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarray:
@@ -273,7 +339,7 @@ def _ort_value(ort_value_type: Any, array: np.ndarray) -> object:
     return ort_value_type.ortvalue_from_numpy(array)
 
 
-class _LocalCollective:
+class _LocalCollective(GatherCollective):
     def __init__(self, group: _LocalStageGroup, index: int) -> None:
         self._group = group
         self._index = index
@@ -318,9 +384,11 @@ async def run_group_locally(
     session_factory: SessionFactory | None = None,
     *,
     stacked: int = 0,
+    attention: Sequence[AttentionContext] | None = None,
 ) -> list[Env]:
     """Run a whole group in this process: every stage, every rank. Returns, per last-stage
-    rank, its outputs (they must all be equal). ``stacked``: as for ``run_stage``."""
+    rank, its outputs (they must all be equal). ``stacked``: as for ``run_stage``;
+    ``attention``: one context per rank (indexed by rank) for programs with attention ops."""
     from shardserve.repo.repository import verify_rank_files
 
     make = session_factory or _default_session
@@ -339,7 +407,10 @@ async def run_group_locally(
                 if name in runs
             }
             collective = _LocalCollective(local, index)
-            jobs.append(run_stage(stage, runners, current, collective, stacked=stacked))
+            context = attention[rank] if attention is not None else None
+            jobs.append(
+                run_stage(stage, runners, current, collective, stacked=stacked, attention=context)
+            )
         results = list(await asyncio.gather(*jobs))
         current = results[0]
     return results

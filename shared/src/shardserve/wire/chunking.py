@@ -2,10 +2,11 @@
 
 RabbitMQ refuses a message above its ``max_message_size`` (16 MiB by default on 4.x), so
 a 64 MB activation cannot be one message. ``split`` cuts a body into chunks of at most
-``max_message_bytes()`` (``SHARDSERVE_MAX_MESSAGE_BYTES``, default 8 MiB) with AMQP
-headers naming the message (a fresh id), the chunk's index, the chunk count and the total
-size; a body that fits goes out as it is, with no headers. ``Reassembler.take`` gives back
-the whole body when its last missing chunk arrives, in any order, duplicates ignored.
+the given size (the broker's ``BrokerSettings.max_message_bytes``:
+``SHARDSERVE_MAX_MESSAGE_BYTES``, default 8 MiB) with AMQP headers naming the message (a
+fresh id), the chunk's index, the chunk count and the total size; a body that fits goes
+out as it is, with no headers. ``Reassembler.take`` gives back the whole body when its
+last missing chunk arrives, in any order, duplicates ignored.
 
 Limits, so chunks can never make a consumer hold unbounded memory: a declared total above
 ``max_total_bytes`` is refused; at most ``max_partial`` messages are incomplete at once
@@ -14,12 +15,12 @@ Limits, so chunks can never make a consumer hold unbounded memory: a declared to
 
 Chunks of one message must reach one consumer: true for every queue here (one consumer
 per work, collective, reply and result queue), and one channel publishes them in order.
+So each ``shardserve.amqp.broker.Broker`` holds the one ``Reassembler`` of its consumers;
+this module keeps no state of its own.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import time
 import uuid
 from collections import OrderedDict
@@ -29,10 +30,7 @@ from typing import Any
 
 from shardserve.errors import CodecError
 
-MAX_MESSAGE_BYTES_ENV = "SHARDSERVE_MAX_MESSAGE_BYTES"
-DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-MIN_MESSAGE_BYTES = 1024
-DONE_IDS_KEPT = 4096  # a smaller chunk size would only multiply messages
+DONE_IDS_KEPT = 4096  # ids of completed messages remembered, to drop late duplicates
 
 H_ID, H_INDEX, H_COUNT, H_TOTAL = "x-chunk-id", "x-chunk-index", "x-chunk-count", "x-chunk-total"
 
@@ -41,21 +39,6 @@ Chunk = tuple[bytes, dict[str, Any]]
 
 class ChunkError(CodecError):
     """A chunk that cannot belong to a well-formed message (dead-lettered like bad bytes)."""
-
-
-@functools.cache
-def max_message_bytes() -> int:
-    """The chunk size from the environment (read once per process)."""
-    raw = os.environ.get(MAX_MESSAGE_BYTES_ENV, "")
-    if not raw:
-        return DEFAULT_MAX_MESSAGE_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be an integer, got {raw!r}") from None
-    if value < MIN_MESSAGE_BYTES:
-        raise ValueError(f"{MAX_MESSAGE_BYTES_ENV} must be at least {MIN_MESSAGE_BYTES}")
-    return value
 
 
 def split(body: bytes, limit: int) -> list[Chunk]:
@@ -188,11 +171,3 @@ def _chunk_fields(headers: Mapping[str, Any]) -> tuple[str, int, int, int]:
         raise ChunkError(f"chunk {index} of {count} is out of range")
     ident = message_id.decode(errors="replace") if isinstance(message_id, bytes) else message_id
     return ident, index, count, total
-
-
-@functools.cache
-def incoming() -> Reassembler:
-    """The process's reassembler (message ids are unique, so consumers can share it)."""
-    from shardserve.wire.codec import MAX_MESSAGE_BYTES
-
-    return Reassembler(max_total_bytes=MAX_MESSAGE_BYTES)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shardserve.errors import BadInputError
+from shardserve.process.integers import parse_positive_int
 from shardserve.wire.tensors import (
     BYTES_DTYPE,
     DATATYPE_TO_DTYPE,
@@ -69,13 +70,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     """Split a body into its JSON part and binary part (None without the header)."""
     if header_length is None:
         return body, None
-    try:
-        n = int(header_length)
-    except ValueError:
-        raise BadInputError(f"Unable to parse {HEADER_LENGTH}: {header_length!r}") from None
+    n = parse_positive_int(header_length, zero_allowed=True)
+    if n is None:
+        raise BadInputError(f"Unable to parse {HEADER_LENGTH}: {header_length!r}")
     if n == 0:
         raise BadInputError(f"{HEADER_LENGTH}: 0 (raw binary request) is not supported")
-    if n < 0 or n > len(body):
+    if n > len(body):
         raise BadInputError(f"inference header size should be in range (0, {len(body)}), got {n}")
     return body[:n], memoryview(body)[n:]
 

@@ -28,6 +28,7 @@ from aiohttp import web
 
 import shardserve
 from shardserve.errors import BadInputError, ErrorCode, InternalError, error_for
+from shardserve.process.integers import POSITIVE_INT_RULE, parse_positive_int
 from shardserve.process.lifecycle import request_id_var
 from shardserve.repo.signature import check_instance
 from shardserve.wire.protocol import InferReply, InferRequest, TensorSpec
@@ -119,9 +120,10 @@ def parse_version(raw: str | None) -> int:
     """A URL version: absent -> 0 (highest ready), else a positive integer."""
     if raw is None:
         return 0
-    if not raw.isdigit() or int(raw) < 1:
-        raise BadInputError(f"model version must be a positive integer, got {raw!r}")
-    return int(raw)
+    version = parse_positive_int(raw)
+    if version is None:
+        raise BadInputError(f"model version must be {POSITIVE_INT_RULE}, got {raw!r}")
+    return version
 
 
 async def model_metadata(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from shardserve.errors import BadInputError, InternalError, error_for, http_status
+from shardserve.process.integers import parse_positive_int
 from shardserve.process.lifecycle import request_id_var
 from shardserve.repo.signature import check_instance
 from shardserve.wire.protocol import ErrorInfo, InferReply, InferRequest, InstanceResult
@@ -67,16 +68,22 @@ def parse_url(tail: str) -> tuple[str, int, str]:
         raise BadInputError("please check url, the keyword:[service method] must contain.")
     if raw_version is None:
         return servable, 0, method
-    if not raw_version.isdigit():
+    return servable, _url_version(raw_version), method
+
+
+def _url_version(raw: str) -> int:
+    """0 (highest ready) or a version below ``MAX_VERSION``, in MindSpore's words."""
+    version = parse_positive_int(raw, zero_allowed=True)
+    too_long = version is None and raw.isascii() and raw.isdigit()
+    if too_long or (version is not None and version >= MAX_VERSION):
         raise BadInputError(
-            "please check url, the keyword:[version] value invalid, "
-            f"request version number {raw_version}"
+            f"please check url, version number range failed, request version number {raw}"
         )
-    if int(raw_version) >= MAX_VERSION:
+    if version is None:
         raise BadInputError(
-            f"please check url, version number range failed, request version number {raw_version}"
+            f"please check url, the keyword:[version] value invalid, request version number {raw}"
         )
-    return servable, int(raw_version), method
+    return version
 
 
 async def predict(request: web.Request) -> web.Response:

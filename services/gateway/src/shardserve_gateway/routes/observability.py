@@ -13,6 +13,8 @@ from importlib import resources
 
 from aiohttp import web
 
+from shardserve.errors import BadInputError
+from shardserve.process.integers import POSITIVE_INT_RULE, parse_positive_int
 from shardserve_gateway.responses import json_response
 from shardserve_gateway.state import DISPATCHER_KEY, MESH_VIEW_KEY, METRICS_KEY, TIMESERIES_KEY
 
@@ -58,10 +60,19 @@ async def api_status(request: web.Request) -> web.Response:
 async def api_timeseries(request: web.Request) -> web.Response:
     """``{"interval_s": 1, "points": [{"t", "requests", "errors", "p50_ms", "p99_ms"}]}``;
     query ``last=<seconds>`` limits the span."""
-    raw = request.query.get("last", "")
-    last = int(raw) if raw.isdigit() and int(raw) > 0 else None
-    points = request.app[TIMESERIES_KEY].points(min(last or MAX_TIMESERIES_S, MAX_TIMESERIES_S))
+    points = request.app[TIMESERIES_KEY].points(min(_last_seconds(request), MAX_TIMESERIES_S))
     return json_response({"interval_s": 1, "points": points})
+
+
+def _last_seconds(request: web.Request) -> int:
+    """Query ``last``: the span in seconds (absent: the whole kept span)."""
+    raw = request.query.get("last")
+    if raw is None:
+        return MAX_TIMESERIES_S
+    last = parse_positive_int(raw)
+    if last is None:
+        raise BadInputError(f"query 'last' must be {POSITIVE_INT_RULE} (seconds), got {raw!r}")
+    return last
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from shardserve.errors import BadInputError, NotFoundError
+from shardserve.process.integers import parse_positive_int
 from shardserve.wire.protocol import RepositoryCommand, ServableStatus
 from shardserve_gateway.codecs.body import read_body
 from shardserve_gateway.codecs.kserve import parse_json_object
@@ -113,11 +114,13 @@ def command_version(body: dict[str, Any]) -> int:
                 "scheduler's repository, not uploaded"
             )
     raw = params.get("version", 0)
-    if isinstance(raw, str) and raw.isdigit():
-        raw = int(raw)
-    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
-        raise BadInputError(f"parameter 'version' must be a positive integer, got {raw!r}")
-    return raw
+    version = parse_positive_int(raw, zero_allowed=True) if isinstance(raw, str) else raw
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise BadInputError(
+            f"parameter 'version' must be a positive integer (a number or ASCII digits), "
+            f"got {raw!r}"
+        )
+    return version
 
 
 def _require_known(request: web.Request, model: str, version: int) -> None:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from shardserve.process.integers import parse_positive_int
+
 PROBE_TIMEOUT_S = 15.0
 SLOW_CLIENT_SECONDS = 4.0  # how long the slow client dribbles (bounded on our side)
 GZIP_BOMB_BYTES = 256 * 1024 * 1024
@@ -84,8 +86,9 @@ async def raw_exchange(
         return 0
     finally:
         writer.close()
-    parts = line.split()
-    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else 0
+    parts = line.decode("latin-1").split()  # HTTP/1.1 heads are ISO-8859-1
+    status = parse_positive_int(parts[1]) if len(parts) >= 2 else None
+    return status or 0
 
 
 def request_head(path: str, length: int, **headers: str) -> bytes:

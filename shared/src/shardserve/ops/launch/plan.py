@@ -3,7 +3,6 @@ of every process (scheduler, gateway, one agent per rank of each version)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +17,7 @@ from shardserve.repo.repository import (
     load_group,
     verify_rank_files,
 )
+from shardserve.runtime.compile_cache import cache_root
 
 # Passed to the scheduler explicitly: a dead agent's rank is free again after it.
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -74,14 +74,9 @@ def version_problem(repo: Path, servable: str, version: int) -> str | None:
     return None
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "shardserve"
-
-
 def ensure_demo_repository(root: Path | None = None) -> Path:
     """The matmul demo (8 ranks, column split), exported once and re-exported if damaged."""
-    root = root or default_cache_dir() / "demo"
+    root = root or cache_root() / "demo"
     if repository_version_is_valid(root, DEMO_SERVABLE, 1):
         return root
     from shardserve.tools.export.matmul import export_matmul

@@ -28,7 +28,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from shardserve.errors import RepositoryError
 from shardserve.ops.launch.plan import (
@@ -51,6 +50,7 @@ from shardserve.ops.launch.status import (
     watch_progress,
 )
 from shardserve.ops.launch.watch import RepositoryWatcher
+from shardserve.process.redact import redact_url
 from shardserve.process.settings import AMQP_URL_ENV, BrokerSettings
 from shardserve.process.supervise import EXIT_USAGE
 from shardserve.repo.repository import GroupConfig
@@ -64,7 +64,6 @@ __all__ = [
     "check_broker",
     "fetch_status",
     "format_status",
-    "redact",
     "repository_version_is_valid",
     "run_up",
     "serve",
@@ -78,14 +77,6 @@ class LaunchError(Exception):
 # ---------------------------------------------------------------- broker
 
 
-def redact(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
 async def check_broker(settings: BrokerSettings, connect_timeout: float = 5.0) -> None:
     """Open (and close) one AMQP connection, so a wrong host or password shows up now."""
     import aio_pika
@@ -95,7 +86,7 @@ async def check_broker(settings: BrokerSettings, connect_timeout: float = 5.0) -
         try:
             connection = await aio_pika.connect(url, timeout=connect_timeout)
         except Exception as exc:  # any failure means "not usable"; we report all of them
-            failures.append(f"{redact(url)}: {exc or type(exc).__name__}")
+            failures.append(f"{redact_url(url)}: {exc or type(exc).__name__}")
             continue
         await connection.close()
         return

@@ -10,7 +10,7 @@ what later items (or the stage's outputs) read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
@@ -41,19 +41,35 @@ def shard_stage(
     rank: int,
 ) -> RankStage:
     """The stage for ``rank`` of ``ranks``: sliced weights, renamed outputs, collectives."""
-    own = dict(inits)
-    own_types = dict(types)
-    after: dict[int, list[Item]] = {}
-    replaced: dict[int, onnx.NodeProto] = {}
+    rewrite = _RankRewrite(nodes, dict(inits), dict(types), ranks, rank)
     for pair in plan.pairs:
-        _shard_pair(nodes, own, own_types, pair, ranks, rank, replaced, after)
+        _shard_pair(rewrite, pair)
     for lone in plan.lones:
-        _shard_lone(nodes, own, own_types, lone, ranks, rank, replaced, after)
-    items: list[Item] = []
-    for i, node in enumerate(nodes):
-        items.append(replaced.get(i, node))
-        items.extend(after.get(i, []))
-    return RankStage(tuple(items), own, own_types)
+        _shard_lone(rewrite, lone)
+    return RankStage(rewrite.items(), rewrite.inits, rewrite.types)
+
+
+@dataclass
+class _RankRewrite:
+    """One rank's rewrite of a stage, under way: the stage's nodes, this rank's own copies
+    of the initializers and value types (sliced and retyped in place), the nodes replaced
+    and the items inserted after a node, both by node index."""
+
+    nodes: Sequence[onnx.NodeProto]
+    inits: dict[str, onnx.TensorProto]
+    types: dict[str, onnx.ValueInfoProto]
+    ranks: int
+    rank: int
+    replaced: dict[int, onnx.NodeProto] = field(default_factory=dict)
+    after: dict[int, list[Item]] = field(default_factory=dict)
+
+    def items(self) -> tuple[Item, ...]:
+        """The stage's items in order: each node (or its replacement), then its insertions."""
+        items: list[Item] = []
+        for i, node in enumerate(self.nodes):
+            items.append(self.replaced.get(i, node))
+            items.extend(self.after.get(i, []))
+        return tuple(items)
 
 
 def _slice(tensor: onnx.TensorProto, axis: int, ranks: int, rank: int) -> onnx.TensorProto:
@@ -110,36 +126,28 @@ def _retype(
     types[name] = info
 
 
-def _shard_pair(
-    nodes: Sequence[onnx.NodeProto],
-    inits: dict[str, onnx.TensorProto],
-    types: dict[str, onnx.ValueInfoProto],
-    pair: Pair,
-    ranks: int,
-    rank: int,
-    replaced: dict[int, onnx.NodeProto],
-    after: dict[int, list[Item]],
-) -> None:
-    _split_columns(nodes[pair.first], inits, ranks, rank, pair.width)
+def _shard_pair(rewrite: _RankRewrite, pair: Pair) -> None:
+    inits, ranks, rank = rewrite.inits, rewrite.ranks, rewrite.rank
+    _split_columns(rewrite.nodes[pair.first], inits, ranks, rank, pair.width)
     for bias in pair.biases:
         _split_bias(inits, bias, pair.width, ranks, rank)
-    second = nodes[pair.second]
+    second = rewrite.nodes[pair.second]
     inits[second.input[1]] = _slice(
         inits[second.input[1]], 1 if _trans_b(second) else 0, ranks, rank
     )
     out = second.output[0]
     partial = f"{out}.partial"
     has_bias = second.op_type == "Gemm" and len(second.input) > 2 and bool(second.input[2])
-    replaced[pair.second] = _renamed(second, partial, drop_bias=has_bias)
-    _retype(types, out, partial)
+    rewrite.replaced[pair.second] = _renamed(second, partial, drop_bias=has_bias)
+    _retype(rewrite.types, out, partial)
     if not has_bias:
-        after[pair.second] = [AllReduceOp(input=partial, output=out)]
+        rewrite.after[pair.second] = [AllReduceOp(input=partial, output=out)]
         return
     summed = f"{out}.sum"
-    _retype(types, out, summed)
+    _retype(rewrite.types, out, summed)
     bias = _scaled_bias(second, inits)
     add = helper.make_node("Add", [summed, bias], [out], f"{second.name or out}.bias_after_sum")
-    after[pair.second] = [AllReduceOp(input=partial, output=summed), add]
+    rewrite.after[pair.second] = [AllReduceOp(input=partial, output=summed), add]
 
 
 def _scaled_bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> str:
@@ -154,23 +162,14 @@ def _scaled_bias(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> st
     return scaled
 
 
-def _shard_lone(
-    nodes: Sequence[onnx.NodeProto],
-    inits: dict[str, onnx.TensorProto],
-    types: dict[str, onnx.ValueInfoProto],
-    lone: Lone,
-    ranks: int,
-    rank: int,
-    replaced: dict[int, onnx.NodeProto],
-    after: dict[int, list[Item]],
-) -> None:
-    node = nodes[lone.index]
-    _split_columns(node, inits, ranks, rank, lone.width)
+def _shard_lone(rewrite: _RankRewrite, lone: Lone) -> None:
+    node = rewrite.nodes[lone.index]
+    _split_columns(node, rewrite.inits, rewrite.ranks, rewrite.rank, lone.width)
     out = node.output[0]
     shard = f"{out}.shard"
-    replaced[lone.index] = _renamed(node, shard)
-    _retype(types, out, shard, free_last=True)
-    after[lone.index] = [AllGatherOp(input=shard, output=out, axis=-1)]
+    rewrite.replaced[lone.index] = _renamed(node, shard)
+    _retype(rewrite.types, out, shard, free_last=True)
+    rewrite.after[lone.index] = [AllGatherOp(input=shard, output=out, axis=-1)]
 
 
 def segments(

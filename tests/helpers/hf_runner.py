@@ -1,0 +1,80 @@
+"""Runs an exported Hugging Face group step by step in this process: every rank's slice
+through ``run_group_locally`` (real onnxruntime, local collectives) with its own KV cache."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from shardserve.repo.repository import AttentionOp, GroupConfig, load_group
+from shardserve.runtime.attention import StepAttention, StepLayout
+from shardserve.runtime.kv_cache import CacheShape, KVCache
+from shardserve.runtime.program import _default_session, run_group_locally
+
+Span = tuple[int, int, int]  # (seq_id, start position, tokens)
+
+
+class PackedModel:
+    def __init__(self, repo: Path, servable: str, budget: int = 1 << 26) -> None:
+        self.repo = repo
+        self.group: GroupConfig = load_group(repo, servable, 1)
+        self.caches = [
+            KVCache(cache_shape(self.group, r), budget) for r in range(self.group.rank_size)
+        ]
+        self._sessions: dict[Path, object] = {}
+
+    def session(self, path: Path) -> object:
+        if path not in self._sessions:
+            self._sessions[path] = _default_session(path)
+        return self._sessions[path]
+
+    def reserve(self, seq_id: int, capacity: int) -> None:
+        for cache in self.caches:
+            cache.reserve(seq_id, capacity)
+
+    def step(
+        self, spans: Sequence[Span], ids: Sequence[int], logit_rows: Sequence[int] | None = None
+    ) -> np.ndarray:
+        """One packed step; ``ids`` are the rows in span order; logits of ``logit_rows``
+        (default every row)."""
+        layout = StepLayout(spans)
+        positions = np.concatenate([np.arange(s, s + n) for _, s, n in spans]).astype(np.int64)
+        rows = np.arange(len(ids)) if logit_rows is None else np.asarray(logit_rows)
+        inputs = {
+            "input_ids": np.asarray(ids, np.int64),
+            "positions": positions,
+            "logit_rows": rows.astype(np.int64),
+        }
+        contexts = [StepAttention(cache, layout) for cache in self.caches]
+        results = asyncio.run(
+            run_group_locally(self.repo, self.group, inputs, self.session, attention=contexts)
+        )
+        for other in results[1:]:
+            np.testing.assert_array_equal(other["logits"], results[0]["logits"])
+        return results[0]["logits"]
+
+    def generate(
+        self, seq_id: int, prompt: list[int], new_tokens: int
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy: prefill logits [T, V], then each decode step's logits [1, V]."""
+        self.reserve(seq_id, len(prompt) + new_tokens)
+        logits = [self.step([(seq_id, 0, len(prompt))], prompt)]
+        tokens = list(prompt)
+        for _ in range(new_tokens):
+            tokens.append(int(np.argmax(logits[-1][-1])))
+            logits.append(self.step([(seq_id, len(tokens) - 1, 1)], tokens[-1:]))
+        return tokens[len(prompt) :], logits
+
+
+def cache_shape(group: GroupConfig, rank: int) -> CacheShape:
+    """The layers whose attention a rank runs, and its share of K/V heads (replicated when
+    there are fewer K/V heads than ranks per stage)."""
+    stage = group.stage_of(rank)
+    layers = tuple(op.layer for op in stage.program if isinstance(op, AttentionOp))
+    kv_heads = int(group.origin["kv_heads"])
+    return CacheShape(
+        layers, max(1, kv_heads // group.ranks_per_stage), int(group.origin["head_dim"])
+    )
