@@ -103,7 +103,7 @@ def test_a_bug_handling_a_python_stage_result_fails_that_instance_alone(
     (work,) = of(PublishStageWork, m.tick(0.002))  # a and b in one model run
     (post,) = of(RunPython, answer(kit, m, work, group))
     assert len(post.task.args) == 2  # ... and in one Python task after it
-    monkeypatch.setattr(m, "_advance", failing_on_call(2, m._advance))
+    monkeypatch.setattr(m.progress, "advance", failing_on_call(2, m.progress.advance))
     replies = by_id(of(Reply, m.on_python_done(post.task.id, run_python_task(post.task), 1.0)))
     assert sorted(replies) == ["a", "b"]
     outputs = replies["a"].instances[0].outputs
@@ -120,7 +120,7 @@ def test_a_bug_while_starting_queued_work_loses_no_reply_already_made(
     m = machine(max_inflight=1)
     (first,) = of(PublishStageWork, m.accept(call(group, request("a", {"x": kit.tensor(1.0)})), 0))
     m.accept(call(group, request("b", {"x": kit.tensor(2.0)})), 0.0)  # queued behind a
-    monkeypatch.setattr(m, "_pump", failing_on_call(1, m._pump))
+    monkeypatch.setattr(m.lanes, "pump", failing_on_call(1, m.lanes.pump))
     (reply,) = of(Reply, answer(kit, m, first, group))
     assert reply.reply.id == "a" and reply.reply.error is None
     monkeypatch.undo()

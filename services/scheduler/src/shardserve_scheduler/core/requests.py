@@ -1,60 +1,71 @@
 """The request/job state machine: events in, actions out; pure (``now`` is passed in).
 
-Each instance of a request walks its method's steps. A Python step becomes a ``RunPython``
-action (the shell runs it in a worker pool and calls ``on_python_done``); a batched
-Python step (batch_size 0 or k) gets a list of the instances waiting for it after the
-current event, at most k (0: the maximum batch size) per call. The model step makes
-jobs: one per instance (``with_batch_dim=False``, or ``max_batch_size`` 1), or batches
-of instances of several requests (see ``batching``).
+Each instance of a request walks its method's steps: Python steps run as ``RunPython``
+actions (the shell runs them in a worker pool and calls ``on_python_done``), the model
+step as jobs, alone or batched with instances of other requests. A lost rank fails every
+open instance of its group; the deadline and shutdown fail whole requests. Every request
+gets exactly one Reply.
 
-Per job and stage, every rank of the stage must answer (only the leader, where the
-stage's outputs are combined at the leader: the others answer only with an error): all
-digests equal -> the next stage (inputs = the leader's outputs) or the job's end; a rank
-error or a digest disagreement fails the job's instances. A lost rank fails every open
-instance of its group; the deadline and shutdown fail whole requests. Each instance has
-its own outcome (InstanceResult); when every instance failed with the same error the
-reply carries that one error instead, as MindSpore does. Every request gets exactly one
-Reply.
-
-In-flight jobs are bounded per servable version (``max_inflight``); beyond, jobs wait in
-a FIFO of ``queue_factor * max_inflight`` (pieces being batched count as waiting);
-beyond that, the request is refused OVERLOADED. Queued jobs start (stage 0 published)
-at the end of every event, after the event's own publishes, so with several stages jobs
-pipeline: job B's stage 0 goes out while job A is in stage 1, all from one channel.
+``RequestMachine`` is a facade: each event is handled by the parts that own what it
+touches (``machine_state`` lists them), then the machine *settles*: due batches leave,
+Python tasks and queued jobs start, after the event's own publishes, so with several
+stages jobs pipeline: job B's stage 0 goes out while job A is in stage 1.
 """
 
 from __future__ import annotations
 
-import logging
-
 from shardserve.errors import ErrorCode
-from shardserve.wire.protocol import ErrorInfo, StageResult
-from shardserve_scheduler.core.actions import (
-    Action,
-    Log,
-    Reply,
-    bug_log,
-    bug_message,
-    error_reply,
-)
+from shardserve.wire.protocol import StageResult
+from shardserve_scheduler.core.actions import Action, bug_log, bug_message
+from shardserve_scheduler.core.admission import Admission
+from shardserve_scheduler.core.job_outcomes import JobOutcomes
 from shardserve_scheduler.core.jobs import (
     Call,
-    InstanceState,
+    Counters,
     Job,
-    Lane,
+    LaneKey,
     RequestState,
     VersionStats,
     rank_error,
     stage_answered,
 )
+from shardserve_scheduler.core.lanes import Lanes
+from shardserve_scheduler.core.machine_state import MachineState
 from shardserve_scheduler.core.progress import Progress
 from shardserve_scheduler.core.pystages import Outcome
+from shardserve_scheduler.core.python_queue import PythonQueue
+from shardserve_scheduler.core.replies import Replies
 
 __all__ = ["Call", "RequestMachine"]
 
 
-class RequestMachine(Progress):
+class RequestMachine:
     """The events the shell feeds in; each returns the actions to take, in order."""
+
+    def __init__(
+        self,
+        *,
+        result_to: str,
+        id_prefix: str,
+        max_inflight: int = 64,
+        queue_factor: int = 10,
+        max_batch_size: int = 32,
+        batch_delay: float = 0.002,
+    ) -> None:
+        self.state = MachineState(
+            result_to=result_to,
+            id_prefix=id_prefix,
+            max_inflight=max_inflight,
+            queue_factor=queue_factor,
+            max_batch_size=max_batch_size,
+            batch_delay=batch_delay,
+        )
+        self.lanes = Lanes(self.state)
+        self.python = PythonQueue(self.state)
+        self.replies = Replies(self.state, self.lanes)
+        self.progress = Progress(self.state, self.lanes, self.replies, self.python)
+        self.outcomes = JobOutcomes(self.state, self.lanes, self.replies, self.progress)
+        self.admission = Admission(self.state, self.lanes, self.replies, self.progress)
 
     # ------------------------------------------------------------------ events
 
@@ -67,24 +78,7 @@ class RequestMachine(Progress):
         """Admit a resolved request without starting queued work yet: the shell admits
         every request of a bundle this way and then calls ``settle`` once, so that the
         bundle's instances share jobs instead of the first leaving alone."""
-        request = call.request
-        stats = self.stats.setdefault(call.lane_key, VersionStats())
-        stats.requests_total += 1
-        refusal = self._refusal(call, now)
-        if refusal is not None:
-            stats.errors_total += 1
-            return [self._count_reply(refusal)]
-        self.counters.accepted += 1
-        instances = [InstanceState(call.method.start_env(i)) for i in request.instances]
-        state = RequestState(self._new_id("r"), call, now, instances)
-        self.requests[state.key] = state
-        actions: list[Action] = []
-        try:
-            for index in range(len(instances)):
-                actions += self._advance(state, index, now)
-            return actions
-        except Exception as exc:  # a scheduler bug: this request fails loudly, others go on
-            return actions + self._fail_after_bug(state, exc, now)
+        return self.admission.admit(call, now)
 
     def settle(self, now: float) -> list[Action]:
         """Start what admitted requests made ready (due batches, Python tasks, jobs)."""
@@ -92,120 +86,89 @@ class RequestMachine(Progress):
 
     def on_result(self, result: StageResult, now: float) -> list[Action]:
         """One rank's outcome of one stage of one job."""
-        job = self.jobs.get(result.job)
-        if job is None or result.stage != job.stage:
-            self.counters.late_results += 1
-            return []
-        if result.rank not in job.stage_ranks():
-            self.counters.stray_results += 1
-            return [
-                Log(
-                    logging.WARNING,
-                    f"job {job.id}: rank {result.rank} is not in stage {job.stage}; result ignored",
-                )
-            ]
-        if result.rank in job.results:
-            self.counters.duplicate_results += 1
-            return []
-        job.results[result.rank] = result
-        job.timeline.mark(now, f"s{job.stage} r{result.rank}")
+        recorded = self.outcomes.record(result, now)
+        if not isinstance(recorded, Job):
+            return recorded  # late, stray or repeated: nothing changed
+        job = recorded
         try:
             if result.error is not None:
-                actions = self._fail_job(job, *rank_error(job, result.rank, result.error), now)
+                why = rank_error(job, result.rank, result.error)
+                actions = self.outcomes.fail_job(job, *why, now)
             elif not stage_answered(job):
                 return []
             else:
-                actions = self._stage_complete(job, now)
+                actions = self.outcomes.stage_complete(job, now)
         except Exception as exc:  # a scheduler bug: the job's open requests fail loudly
             doing = f"handling a result of job {job.id}"
-            return self._settled(self._fail_job_after_bug(job, doing, exc, now), now)
+            return self._settled(self.outcomes.fail_job_after_bug(job, doing, exc, now), now)
         return self._settled(actions, now)
 
     def on_python_done(self, task_id: str, outcomes: list[Outcome], now: float) -> list[Action]:
         """A Python stage task finished: one outcome (outputs or error) per instance."""
-        entry = self._py_tasks.pop(task_id, None)
+        entry = self.python.finish(task_id)
         if entry is None:
-            self.counters.late_python_results += 1
+            self.state.counters.late_python_results += 1
             return []
-        (_, _, position), members = entry
+        position, members = entry
         actions: list[Action] = []
         for (key, index), outcome in zip(members, outcomes, strict=True):
-            state = self._alive(key, index, position)
+            state = self.state.alive(key, index, position)
             if state is None:
                 continue
             try:
-                actions += self._python_outcome(state, index, position, outcome, now)
+                actions += self.progress.python_outcome(state, index, position, outcome, now)
             except Exception as exc:  # a scheduler bug: this instance fails, the others go on
                 doing = f"handling the result of Python task {task_id}"
-                actions += self._fail_instance_after_bug(state, index, doing, exc, now)
+                actions += self.replies.fail_instance_after_bug(state, index, doing, exc, now)
         return self._settled(actions, now)
-
-    def _python_outcome(
-        self, state: RequestState, index: int, position: int, outcome: Outcome, now: float
-    ) -> list[Action]:
-        if isinstance(outcome, ErrorInfo):
-            return self._fail_instance(state, index, outcome.code, outcome.message, now)
-        instance = state.instances[index]
-        step = state.call.method.steps[position]
-        for j, tensor in enumerate(outcome):
-            instance.env[(step.index, j)] = tensor
-        instance.step += 1
-        return self._advance(state, index, now)
 
     def on_rank_lost(self, servable: str, version: int, message: str, now: float) -> list[Action]:
         """A group lost ranks: every open instance of the group fails at once."""
         actions: list[Action] = []
-        doomed = [s for s in self.requests.values() if s.call.lane_key == (servable, version)]
+        requests = self.state.requests
+        doomed = [s for s in requests.values() if s.call.lane_key == (servable, version)]
         for state in doomed:
             try:
-                actions += self._fail_open_instances(state, ErrorCode.RANK_LOST, message, now)
+                actions += self.replies.fail_open_instances(
+                    state, ErrorCode.RANK_LOST, message, now
+                )
             except Exception as exc:  # a scheduler bug: still one outcome for each
-                actions += self._abandon_after_bug(state, "failing a request of a lost rank", exc)
-        lane = self._lanes.get((servable, version))
-        if lane and lane.batcher is not None:
-            lane.batcher.clear()
+                doing = "failing a request of a lost rank"
+                actions += self.replies.abandon_after_bug(state, doing, exc)
+        self.lanes.clear_batcher(servable, version)
         return self._settled(actions, now)
-
-    def _fail_open_instances(
-        self, state: RequestState, code: ErrorCode, message: str, now: float
-    ) -> list[Action]:
-        """Fail every instance of ``state`` without an outcome (finished ones keep theirs)."""
-        actions: list[Action] = []
-        for index, instance in enumerate(state.instances):
-            if instance.outcome is None and state.key in self.requests:
-                actions += self._fail_instance(state, index, code, message, now)
-        return actions
 
     def on_publish_failed(self, job_id: str, message: str, now: float) -> list[Action]:
         """A StageWork could not be handed to the broker: its instances fail UNAVAILABLE."""
-        job = self.jobs.get(job_id)
+        job = self.state.jobs.get(job_id)
         if job is None:
             return []
         why = f"could not send job {job_id} to its ranks: {message}"
         try:
-            actions = self._fail_job(job, ErrorCode.UNAVAILABLE, why, now)
+            actions = self.outcomes.fail_job(job, ErrorCode.UNAVAILABLE, why, now)
         except Exception as exc:  # a scheduler bug: the job's open requests fail loudly
             doing = f"failing job {job_id} that could not be sent"
-            actions = self._fail_job_after_bug(job, doing, exc, now)
+            actions = self.outcomes.fail_job_after_bug(job, doing, exc, now)
         return self._settled(actions, now)
 
     def tick(self, now: float) -> list[Action]:
         """End every request whose deadline has passed; flush batches that are due."""
         actions: list[Action] = []
-        for state in [s for s in self.requests.values() if s.call.request.deadline <= now]:
+        late = [s for s in self.state.requests.values() if s.call.request.deadline <= now]
+        for state in late:
             try:
-                message = _deadline_message(self, state, now)
-                actions += self._fail_request(state, ErrorCode.DEADLINE, message, now)
+                message = _deadline_message(self.state, state, now)
+                actions += self.replies.fail_request(state, ErrorCode.DEADLINE, message, now)
             except Exception as exc:  # a scheduler bug: still one outcome, and the others
                 doing = "ending the request at its deadline"
-                actions += self._abandon_after_bug(state, doing, exc)
+                actions += self.replies.abandon_after_bug(state, doing, exc)
         return self._settled(actions, now)
 
     def shutdown(self, message: str, now: float) -> list[Action]:
         """Reply UNAVAILABLE to every request still open (the scheduler is stopping)."""
         actions: list[Action] = []
-        for state in list(self.requests.values()):
-            actions += self._fail_request(state, ErrorCode.UNAVAILABLE, message, now)
+        for state in list(self.state.requests.values()):
+            actions += self.replies.fail_request(state, ErrorCode.UNAVAILABLE, message, now)
         return actions
 
     def _settled(self, actions: list[Action], now: float) -> list[Action]:
@@ -214,76 +177,76 @@ class RequestMachine(Progress):
         what it left unstarted is started by a later event (every tick settles), or ends
         at its deadline."""
         try:
-            return actions + self._settle(now)
+            return actions + self.progress.settle(now)
         except Exception as exc:
             return [*actions, bug_log(bug_message("starting queued work", exc))]
 
-    def _fail_after_bug(self, state: RequestState, exc: Exception, now: float) -> list[Action]:
-        """The request whose admission raised gets an INTERNAL error now instead of waiting
-        for its deadline (and the rest of its bundle is still admitted); the traceback is
-        logged."""
-        message = bug_message("while admitting the request", exc)
-        log = bug_log(message, state.call.request.id)
-        if state.key not in self.requests:  # it already had its one outcome
-            return [log]
-        try:
-            return [log, *self._fail_request(state, ErrorCode.INTERNAL, message, now)]
-        except Exception:
-            return [log, *self._abandon(state, message)]
+    # ------------------------------------------------------------------ queries
 
-    def _fail_job_after_bug(self, job: Job, doing: str, exc: Exception, now: float) -> list[Action]:
-        """Handling ``job`` raised: every instance it still serves gets an INTERNAL error
-        now instead of waiting for its deadline; the traceback is logged."""
-        message = bug_message(doing, exc)
-        try:
-            return [bug_log(message), *self._fail_job(job, ErrorCode.INTERNAL, message, now)]
-        except Exception:  # failing it the regular way raised too
-            actions: list[Action] = [bug_log(message)]
-            for key in dict.fromkeys(k for k, *_ in job.members):
-                state = self.requests.get(key)
-                if state is not None:
-                    actions += self._abandon(state, message)
-            return actions
+    def inflight(self, servable: str, version: int) -> int:
+        return self.lanes.inflight(servable, version)
 
-    def _abandon_after_bug(self, state: RequestState, doing: str, exc: Exception) -> list[Action]:
-        """Ending ``state`` the regular way raised: it is answered INTERNAL all the same."""
-        message = bug_message(doing, exc)
-        return [bug_log(message, state.call.request.id), *self._abandon(state, message)]
+    def queued(self, servable: str, version: int) -> int:
+        return self.lanes.queued(servable, version)
 
-    # ------------------------------------------------------------------ admission
+    def version_stats(self, servable: str, version: int) -> VersionStats:
+        return self.state.stats.get((servable, version), VersionStats())
 
-    def _refusal(self, call: Call, now: float) -> Reply | None:
-        request = call.request
-        code, message = None, ""
-        if request.deadline <= now:
-            code = ErrorCode.DEADLINE
-            message = "deadline already passed when the scheduler received the request"
-        else:
-            lane = self._lane(call)
-            room = self.max_inflight + self.max_queued - len(lane.inflight) - lane.waiting
-            if len(request.instances) > room:
-                self.counters.overloaded += 1
-                code = ErrorCode.OVERLOADED
-                message = self._overload_message(call, lane)
-        if code is None:
-            return None
-        return error_reply(
-            request, call.reply_to, call.correlation_id, code, message, version=call.group.version
-        )
+    def open_for(self, servable: str, version: int) -> int:
+        return self.state.open_for(servable, version)
 
-    def _overload_message(self, call: Call, lane: Lane) -> str:
-        # Instances being batched take a place each (each could end up a job of its own),
-        # so a batching servable can be full with few jobs: the message says which.
-        batching = len(lane.batcher) if lane.batcher is not None else 0
-        held = f", {batching} instance(s) being batched" if batching else ""
-        return (
-            f"servable {call.request.servable} is overloaded: {len(lane.inflight)} jobs in "
-            f"flight, {len(lane.queued)} queued{held} (at most {self.max_inflight} in flight "
-            f"and {self.max_queued} waiting: --max-inflight {self.max_inflight})"
-        )
+    @property
+    def open_requests(self) -> int:
+        return len(self.state.requests)
+
+    def next_wakeup(self) -> float | None:
+        """When the earliest open batch is due (the shell ticks then), or None."""
+        return self.lanes.next_wakeup()
+
+    def forget(self, servable: str, version: int) -> None:
+        """Drop an unloaded version's lane and statistics (it has no open request)."""
+        self.lanes.forget(servable, version)
+
+    # ------------------------------------------------------------------ the shared state
+
+    @property
+    def counters(self) -> Counters:
+        return self.state.counters
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        return self.state.requests
+
+    @property
+    def jobs(self) -> dict[str, Job]:
+        return self.state.jobs
+
+    @property
+    def stats(self) -> dict[LaneKey, VersionStats]:
+        return self.state.stats
+
+    @property
+    def result_to(self) -> str:
+        return self.state.result_to
+
+    @property
+    def max_inflight(self) -> int:
+        return self.state.max_inflight
+
+    @property
+    def max_queued(self) -> int:
+        return self.state.max_queued
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.state.max_batch_size
+
+    @property
+    def batch_delay(self) -> float:
+        return self.state.batch_delay
 
 
-def _deadline_message(machine: RequestMachine, state: RequestState, now: float) -> str:
+def _deadline_message(machine: MachineState, state: RequestState, now: float) -> str:
     waited_ms = (now - state.accepted_at) * 1000
     message = f"deadline exceeded after {waited_ms:.0f} ms in the scheduler"
     for job_id in sorted(state.jobs):
