@@ -7,8 +7,9 @@ dispatcher and mesh view; then no broker is opened at all.
 
 Routes: KServe v2 (``kserve``), its model repository extension (``repository``),
 MindSpore REST (``mindspore``), the status page, ``/api/status``,
-``/api/timeseries`` and ``/metrics`` (``observability``), and ``/openapi.json``
-(``openapi``), which documents all of them.
+``/api/timeseries`` and ``/metrics`` (``observability``), text generation (``openai``:
+OpenAI-compatible ``/v1/...``; ``generate``: Triton's generate extension), and
+``/openapi.json`` (``openapi``), which documents all of them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from shardserve_gateway.dispatch import AmqpDispatcher, Dispatcher
 from shardserve_gateway.mesh_view import MeshView, consume_status
 from shardserve_gateway.metrics import Metrics
 from shardserve_gateway.middleware import request_context, translate_errors
-from shardserve_gateway.routes import kserve, mindspore, observability, openapi, repository
+from shardserve_gateway.routes import (
+    generate,
+    kserve,
+    mindspore,
+    observability,
+    openai,
+    openapi,
+    repository,
+)
 from shardserve_gateway.settings import GatewaySettings
 from shardserve_gateway.state import (
     DISPATCHER_KEY,
@@ -59,6 +68,7 @@ def create_app(
         broker = Broker(settings.broker, name=settings.gateway_id)
         amqp = AmqpDispatcher(broker, settings.gateway_id, max_inflight=settings.max_inflight)
         app[MESH_VIEW_KEY].add_scheduler_listener(amqp.scheduler_seen)
+        amqp.streams.watch_status(app[MESH_VIEW_KEY].fresh)
         app[BROKER_KEY] = broker
         app[DISPATCHER_KEY] = amqp
         app.cleanup_ctx.extend([_broker_ctx, _status_consumer_ctx, _reply_consumer_ctx_for(amqp)])
@@ -68,6 +78,8 @@ def create_app(
     repository.add_routes(app)
     mindspore.add_routes(app)
     observability.add_routes(app)
+    openai.add_routes(app)
+    generate.add_routes(app)
     openapi.add_routes(app)
     return app
 

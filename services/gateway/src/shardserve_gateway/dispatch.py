@@ -14,6 +14,11 @@ overloaded; an unroutable request (no scheduler ever declared its queue) is retu
 ``asyncio.timeout`` ending at the deadline, so the answer is 504 at the deadline, never
 later.
 
+Generation (``generate``): a GenerateRequest is published the same way (routing key = the
+servable, ``reply_to`` = this gateway's reply queue, a fresh correlation id) and its
+GenerateChunks come back on the same reply queue; ``streams.StreamTable`` keeps them in
+order per stream and publishes the GenerateCancel when a stream is left early.
+
 Replies that can never come fail at once (503) instead of waiting for the deadline:
 - **scheduler restart**: each pending request remembers the scheduler that was active
   when it was published (from MeshStatus/SchedulerHello); when another scheduler id
@@ -32,6 +37,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,6 +54,9 @@ from shardserve.errors import (
 )
 from shardserve.wire import codec, topology
 from shardserve.wire.protocol import (
+    GenerateCancel,
+    GenerateChunk,
+    GenerateRequest,
     InferReply,
     InferReplyBundle,
     InferRequest,
@@ -56,6 +65,7 @@ from shardserve.wire.protocol import (
     RepositoryCommand,
 )
 from shardserve_gateway.bundler import Outgoing, RequestBundler
+from shardserve_gateway.streams import ChunkStream, StreamTable
 
 _logger = logging.getLogger(__name__)
 
@@ -81,6 +91,11 @@ class Dispatcher(Protocol):
 
     async def command(self, command: RepositoryCommand) -> None:
         """Publish a model repository command to the scheduler (confirmed)."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AbstractAsyncContextManager[ChunkStream]:
+        """Publish a generation; the context yields its chunk stream and, when left before
+        the last chunk, cancels the generation."""
         ...
 
 
@@ -113,6 +128,9 @@ class AmqpDispatcher:
         self.published = 0
         self.bundler = RequestBundler(self._publish_bundled)
         self._bundler_task: asyncio.Task[None] | None = None
+        self.streams = StreamTable(
+            self, self._queue.name, max_open=max_inflight, wall_clock=wall_clock
+        )
 
     @property
     def available(self) -> bool:
@@ -143,11 +161,14 @@ class AmqpDispatcher:
                 await self._bundler_task
             self._bundler_task = None
         self._fail_pending("gateway is shutting down", lambda _: True)
+        self.streams.fail_all(UnavailableError("gateway is shutting down"))
+        await self.streams.drain_cancels()
 
     def scheduler_seen(self, scheduler: str) -> None:
         """A status or hello from ``scheduler``: if it is a new one, fail what the previous
         scheduler had taken (its request state died with it)."""
         previous, self._scheduler = self._scheduler, scheduler
+        self.streams.scheduler_seen(scheduler)
         if previous is None or previous == scheduler:
             return
         failed = self._fail_pending(
@@ -165,6 +186,7 @@ class AmqpDispatcher:
         if healthy:
             return
         failed = self._fail_pending(BROKER_LOST, lambda _: True)
+        failed += self.streams.fail_all(UnavailableError(BROKER_LOST))
         if failed:
             _logger.warning("broker connection lost; failed %d request(s) in flight", failed)
 
@@ -203,6 +225,26 @@ class AmqpDispatcher:
             raise DeadlineError(f"deadline exceeded: no reply within {remaining:.3g} s") from None
         finally:
             self._pending.pop(correlation_id, None)
+
+    def generate(self, request: GenerateRequest) -> AbstractAsyncContextManager[ChunkStream]:
+        if self._closed:
+            raise UnavailableError("gateway is shutting down")
+        if not self._broker.healthy:
+            raise UnavailableError("message broker is unreachable")
+        return self.streams.open(request)
+
+    async def publish_generate(self, request: GenerateRequest, correlation_id: str) -> None:
+        props = self._properties(request.deadline, correlation_id)
+        try:
+            await self._broker.publish(
+                topology.REQUESTS_EXCHANGE, request.servable, request, **props
+            )
+        except InferenceError as exc:
+            raise self._publish_error(exc) from exc
+        self.published += 1
+
+    async def publish_cancel(self, cancel: GenerateCancel, servable: str) -> None:
+        await self._broker.publish(topology.REQUESTS_EXCHANGE, servable, cancel, confirm=True)
 
     async def command(self, command: RepositoryCommand) -> None:
         if self._closed:
@@ -272,6 +314,10 @@ class AmqpDispatcher:
         if isinstance(message, InferReplyBundle):
             for item in message.replies:
                 self._resolve(item.correlation_id, item.reply)
+            return
+        if isinstance(message, GenerateChunk):
+            if not self.streams.deliver(incoming.correlation_id or "", message):
+                self.late_replies += 1
             return
         self._resolve(incoming.correlation_id or "", message)
 

@@ -15,6 +15,8 @@ Per servable version (``servable``, ``version``):
   shardserve_servable_batches_total             jobs run (a job = one batch)
   shardserve_servable_batched_instances_total   instances run in those jobs
   shardserve_servable_mean_batch_size           batched_instances_total / batches_total
+  shardserve_servable_running_sequences         generations being advanced (generation only)
+  shardserve_servable_waiting_sequences         generations waiting for KV room (idem)
 Per rank (``servable``, ``version``, ``rank``, ``stage``):
   shardserve_rank_up                            gauge 1 when the rank is ready
   shardserve_rank_state{state}                  gauge 1 for the current state
@@ -26,6 +28,9 @@ Per rank (``servable``, ``version``, ``rank``, ``stage``):
   shardserve_rank_heartbeat_age_seconds         age of the latest heartbeat
   shardserve_rank_load_seconds                  time the agent took to load its slice
   shardserve_rank_inflight                      jobs the agent is running
+  shardserve_rank_kv_used_bytes                 KV cache reserved by sequences (generation)
+  shardserve_rank_kv_capacity_bytes             the rank's KV cache budget (generation)
+  shardserve_rank_sequences                     sequences holding KV on the rank (generation)
 Mesh-wide:
   shardserve_dead_lettered_total                messages in the dead-letter queue (all services)
   shardserve_request_queue_depth                requests waiting in the request queue
@@ -134,6 +139,13 @@ def _servable_metrics(f: _Families, s: ServableStatus) -> None:
         f(f"shardserve_servable_{suffix}", "counter", help_text).add(value, **sv)
     mean = s.batched_instances_total / s.batches_total if s.batches_total else 0.0
     f("shardserve_servable_mean_batch_size", "gauge", "Mean instances per job.").add(mean, **sv)
+    if s.generation:
+        f("shardserve_servable_running_sequences", "gauge", "Generations running.").add(
+            s.running_sequences, **sv
+        )
+        f("shardserve_servable_waiting_sequences", "gauge", "Generations waiting.").add(
+            s.waiting_sequences, **sv
+        )
 
 
 def _rank_metrics(f: _Families, s: ServableStatus, r: RankStatus) -> None:
@@ -161,3 +173,17 @@ def _rank_metrics(f: _Families, s: ServableStatus, r: RankStatus) -> None:
         r.load_ms / 1000.0, **rl
     )
     f("shardserve_rank_inflight", "gauge", "Jobs the agent is running.").add(r.inflight, **rl)
+    if s.generation:
+        _rank_kv_metrics(f, r, rl)
+
+
+def _rank_kv_metrics(f: _Families, r: RankStatus, rl: dict[str, str]) -> None:
+    f("shardserve_rank_kv_used_bytes", "gauge", "KV cache reserved by sequences.").add(
+        r.kv_used_bytes, **rl
+    )
+    f("shardserve_rank_kv_capacity_bytes", "gauge", "KV cache budget of the rank.").add(
+        r.kv_capacity_bytes, **rl
+    )
+    f("shardserve_rank_sequences", "gauge", "Sequences holding KV on the rank.").add(
+        r.sequences, **rl
+    )

@@ -19,6 +19,8 @@ below, then the mesh's, re-exported from the latest MeshStatus (names listed in
   shardserve_gateway_status_age_seconds                        age of the latest mesh status
   shardserve_gateway_status_fresh                              1 while that status is fresh
 
+Generations add token-level histograms and counters (``generation_metrics``).
+
 Counters and the histogram are keyed by (servable, method): names come from the mesh
 status, never from the URL as typed, so unknown models all count as ``_unknown`` and a
 client cannot blow up the label space.
@@ -31,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from shardserve.wire.protocol import MeshStatus
+from shardserve_gateway.generation_metrics import GenerationMetrics
 from shardserve_gateway.mesh_metrics import render_mesh
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -71,6 +74,7 @@ class Metrics:
         self.errors: dict[tuple[str, str, int], int] = defaultdict(int)
         self.latency: dict[Labels, _Histogram] = defaultdict(_Histogram)
         self.inflight = 0
+        self.generation = GenerationMetrics()
 
     def observe(self, labels: Labels, status: int, seconds: float) -> None:
         """Count one finished inference request."""
@@ -131,6 +135,7 @@ class Metrics:
                 "# TYPE shardserve_gateway_status_age_seconds gauge",
                 f"shardserve_gateway_status_age_seconds {status_age_s:.3f}",
             ]
+        lines += self.generation.render()
         lines += render_mesh(mesh)
         return "\n".join(lines) + "\n"
 

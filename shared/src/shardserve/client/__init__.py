@@ -1,8 +1,9 @@
 """The shardserve Python client (MindSpore Serving shaped, KServe v2 binary on the wire).
 
 ``Client`` blocks (its own loop in a background thread); ``AsyncClient`` is for asyncio
-code. Both raise the ``shardserve.errors.InferenceError`` tree, plus ``ClientError`` (an
-HTTP status no ErrorCode describes) and ``TransportError`` (the gateway is unreachable).
+code. Both offer ``infer`` (tensors) and ``generate`` (text, whole or streamed as deltas),
+and raise the ``shardserve.errors.InferenceError`` tree, plus ``ClientError`` (an HTTP
+status no ErrorCode describes) and ``TransportError`` (the gateway is unreachable).
 """
 
 from shardserve.client.aio import AsyncClient

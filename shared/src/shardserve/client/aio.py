@@ -6,20 +6,22 @@ A list of instances becomes one HTTP request per instance, sent concurrently; th
 scheduler may still batch them (it batches what arrives within its batch window).
 The method is part of the KServe model name: ``POST /v2/models/<servable>:<method>
 [/versions/<n>]/infer`` (the gateway's convention for servables with several methods).
+``generate`` runs a text-generation servable (``generation.py``; the method is not used).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, overload
+from typing import Any, Literal, overload
 from urllib.parse import quote
 
 import aiohttp
 import numpy as np
 
+from shardserve.client import generation
 from shardserve.client.errors import TransportError, error_from_http
 from shardserve.client.kserve import HEADER_LENGTH, decode_response, encode_request
 from shardserve.client.values import as_instance, datatype_of
@@ -201,6 +203,80 @@ class AsyncClient:
         if status != 200:
             raise error_from_http(status, payload)
         return decode_response(payload, response_headers.get(HEADER_LENGTH))
+
+    # ------------------------------------------------------------ generation
+
+    @overload
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        stream: Literal[False] = ...,
+        request_id: str | None = ...,
+    ) -> str: ...
+
+    @overload
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        stream: Literal[True],
+        request_id: str | None = ...,
+    ) -> AsyncIterator[str]: ...
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = 16,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        stream: bool = False,
+        request_id: str | None = None,
+    ) -> str | AsyncIterator[str]:
+        """Generate text from ``prompt``: the whole text, or with ``stream=True`` an async
+        iterator of text deltas (joined, the same text). ``temperature`` 0 is greedy;
+        None leaves a parameter to the server. Raises an InferenceError subclass (before
+        or during the stream); ``timeout`` bounds the whole generation."""
+        body = generation.request_body(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+        )
+        headers = generation.request_headers(self.timeout, request_id)
+        url = generation.generate_url(
+            self.base_url, self.servable_name, self.version_number, stream=stream
+        )
+        if stream:
+            return await generation.open_stream(self._get_session(), url, body, headers)
+        return await generation.generate_text(self._get_session(), url, body, headers)
 
     async def _exchange(self, body: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
         session = self._get_session()

@@ -5,7 +5,8 @@ on that loop (so one connection pool serves every call, from any thread). ``infe
 blocks; ``infer_async`` returns an ``InferFuture`` at once: ``.result()`` blocks like
 MindSpore's ``ClientGrpcAsyncResult.result()``, and it can be awaited from asyncio code.
 ``close()`` (or leaving ``with``) cancels calls still running, closes the connections,
-stops the loop and joins the thread.
+stops the loop and joins the thread. ``generate`` returns the text, or with
+``stream=True`` an iterator of text deltas (each pulled from the loop thread in turn).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Coroutine, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 from shardserve.client.aio import AsyncClient, Result, TlsOption
 
@@ -147,6 +148,61 @@ class Client:
         future: InferFuture[Any] = InferFuture(self._submit(call))
         return future
 
+    @overload
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        stream: Literal[False] = ...,
+        request_id: str | None = ...,
+    ) -> str: ...
+
+    @overload
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_tokens: int = ...,
+        temperature: float | None = ...,
+        top_p: float | None = ...,
+        top_k: int | None = ...,
+        seed: int | None = ...,
+        stop: str | Sequence[str] | None = ...,
+        stop_token_ids: Sequence[int] | None = ...,
+        ignore_eos: bool = ...,
+        stream: Literal[True],
+        request_id: str | None = ...,
+    ) -> Iterator[str]: ...
+
+    def generate(self, prompt: str, *, stream: bool = False, **options: Any) -> str | Iterator[str]:
+        """Generate text (see ``AsyncClient.generate``): the text, or with ``stream=True``
+        an iterator of text deltas; leaving the iteration early cancels the generation."""
+        if not stream:
+            text: str = self._submit(self._client.generate(prompt, **options)).result()
+            return text
+        deltas = self._submit(self._client.generate(prompt, stream=True, **options)).result()
+        return self._iterate(deltas)
+
+    def _iterate(self, deltas: AsyncIterator[str]) -> Iterator[str]:
+        try:
+            while True:
+                more, delta = self._submit(_next_delta(deltas)).result()
+                if not more:
+                    return
+                yield delta
+        finally:
+            closing = getattr(deltas, "aclose", None)
+            if closing is not None and not self._closed:
+                self._submit(closing()).result()
+
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:  # close() must not stop the loop between the check and the submit
             if self._closed:
@@ -184,3 +240,11 @@ class Client:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+async def _next_delta(deltas: AsyncIterator[str]) -> tuple[bool, str]:
+    """The next delta, or (False, "") at the end (StopAsyncIteration cannot cross threads)."""
+    try:
+        return True, await anext(deltas)
+    except StopAsyncIteration:
+        return False, ""

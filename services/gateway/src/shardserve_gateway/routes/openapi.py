@@ -360,13 +360,17 @@ def _mindspore_and_ops_paths() -> dict[str, Schema]:
 @cache
 def document() -> dict[str, Any]:
     """The whole OpenAPI document."""
+    # Imported here: the generation part builds on this module's helpers.
+    from shardserve_gateway.routes.openapi_generation import generation_paths, generation_schemas
+
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "shardserve gateway",
             "version": shardserve.__version__,
             "description": "KServe v2 / Open Inference Protocol (REST), its model repository "
-            'extension, MindSpore Serving REST, and operations. Errors are {"error", "code"} '
+            "extension and generate extension, OpenAI-compatible text generation (/v1), "
+            'MindSpore Serving REST, and operations. Errors are {"error", "code"} '
             '({"error_msg"} on /model/...). With bearer tokens configured every route needs '
             "'Authorization: Bearer <token>' except health, /metrics, / and /openapi.json "
             "(with --open-health).",
@@ -376,9 +380,15 @@ def document() -> dict[str, Any]:
             **_model_paths(),
             **_repository_paths(),
             **_mindspore_and_ops_paths(),
+            **generation_paths(MODEL, VERSION),
         },
         "components": {
-            "schemas": {**_tensor_schemas(), **_kserve_schemas(), **_other_schemas()},
+            "schemas": {
+                **_tensor_schemas(),
+                **_kserve_schemas(),
+                **_other_schemas(),
+                **generation_schemas(),
+            },
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{}, {"bearer": []}],

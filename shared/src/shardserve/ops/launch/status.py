@@ -87,7 +87,7 @@ def _servable_lines(s: dict[str, Any]) -> list[str]:
     state = "ready" if s.get("ready") else f"NOT READY: {s.get('reason') or '-'}"
     lines = [
         f"{s.get('name')} v{s.get('version')}  {state}  ranks {s.get('rank_size')} x "
-        f"stages {s.get('stage_size')}  in-flight {s.get('inflight', 0)}",
+        f"stages {s.get('stage_size')}  in-flight {s.get('inflight', 0)}{_sequences(s)}",
         f"  {'stage':>5} {'rank':>4}  {'state':<8} {'beat':>6}  {'checksum':<12} "
         f"{'cache':<5} {'rss MB':>7} {'in-flight':>9}  host/pid",
     ]
@@ -98,8 +98,23 @@ def _servable_lines(s: dict[str, Any]) -> list[str]:
             f"  {r.get('stage', 0):>5} {r.get('rank', 0):>4}  {r.get('state', '?'):<8} "
             f"{_age(r.get('heartbeat_age_s')):>6}  {(r.get('slice_checksum') or '-')[:12]:<12} "
             f"{r.get('cache', '-'):<5} {rss:>7} {r.get('inflight', 0):>9}  {where}"
+            + (_kv_use(r) if s.get("generation") else "")
         )
     return lines
+
+
+def _sequences(s: dict[str, Any]) -> str:
+    """For a generation servable: its running and waiting sequences."""
+    if not s.get("generation"):
+        return ""
+    running, waiting = s.get("running_sequences", 0), s.get("waiting_sequences", 0)
+    return f"  sequences {running} running, {waiting} waiting"
+
+
+def _kv_use(r: dict[str, Any]) -> str:
+    """A generation rank's KV cache use, e.g. ``  kv 12.5/256.0 MB (3 seq)``."""
+    used, capacity = r.get("kv_used_bytes", 0) / 2**20, r.get("kv_capacity_bytes", 0) / 2**20
+    return f"  kv {used:.1f}/{capacity:.1f} MB ({r.get('sequences', 0)} seq)"
 
 
 def public_url(host: str, port: int) -> str:

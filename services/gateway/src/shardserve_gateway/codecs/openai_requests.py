@@ -1,0 +1,180 @@
+"""OpenAI request bodies (/v1/completions, /v1/chat/completions) -> SamplingParams and a
+prompt, validated with pydantic.
+
+Unknown fields are ignored, as OpenAI and vLLM do (clients send ``user``,
+``frequency_penalty``... by default); the fields we cannot honour are refused with a 400
+naming them: ``n`` other than 1, ``echo`` true, more than one prompt. vLLM's extensions
+``top_k``, ``stop_token_ids`` and ``ignore_eos`` are accepted. A validation error names
+the field (``param`` in OpenAI's error shape).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shardserve.errors import BadInputError
+from shardserve.wire.protocol import ChatMessage, SamplingParams
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (see report)
+MAX_LOGPROBS = 5
+
+
+class ParamError(BadInputError):
+    """A 400 naming the request field at fault (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1, max_length=256)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 or 0 = no cut
+    n: int | None = 1
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int | None) -> int | None:
+        if n is not None and n != 1:
+            raise ValueError("only n=1 is supported (one choice per request)")
+        return n
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        values: dict[str, Any] = {
+            "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": max(self.top_k, 0) if self.top_k is not None else None,
+            "seed": self.seed,
+            "stop": (self.stop,) if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+        return parse(SamplingParams, {k: v for k, v in values.items() if v is not None})
+
+
+class CompletionBody(_Common):
+    """POST /v1/completions."""
+
+    # Checked by prompt_kind: a pydantic union would name its members in the error.
+    prompt: Any
+    max_tokens: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool | None) -> bool | None:
+        if echo:
+            raise ValueError("echo is not supported (the prompt is not returned)")
+        return echo
+
+    def prompt_kind(self) -> tuple[str | None, tuple[int, ...] | None]:
+        """(prompt text, None) or (None, prompt token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt, None
+        if not isinstance(prompt, list) or not prompt:
+            raise ParamError(
+                PROMPT_SHAPES if prompt != [] else "prompt must not be empty", "prompt"
+            )
+        if all(_is_int(p) for p in prompt):
+            return None, _token_ids(prompt)
+        if len(prompt) > 1:
+            raise ParamError(
+                "one prompt per request (a batch of prompts is not supported)", "prompt"
+            )
+        only = prompt[0]
+        if isinstance(only, str):
+            return only, None
+        if isinstance(only, list) and only and all(_is_int(p) for p in only):
+            return None, _token_ids(only)
+        raise ParamError(PROMPT_SHAPES if only != [] else "prompt must not be empty", "prompt")
+
+
+PROMPT_SHAPES = "prompt must be a string or a list of token ids (or a list of one of those)"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(values: list[int]) -> tuple[int, ...]:
+    if any(v < 0 for v in values):
+        raise ParamError("prompt token ids must be >= 0", "prompt")
+    return tuple(values)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str | list[TextPart]
+
+    def message(self) -> ChatMessage:
+        if isinstance(self.content, str):
+            return ChatMessage(role=self.role, content=self.content)
+        return ChatMessage(role=self.role, content="".join(p.text for p in self.content))
+
+
+class ChatBody(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessageBody] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def chat_sampling(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs needs logprobs set to true", "top_logprobs")
+        count = (self.top_logprobs or 0) if self.logprobs else None
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else None
+        return self.sampling(limit if limit is not None else self.max_tokens, count)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], body: object) -> M:
+    """Validate ``body``; a 400 naming the first field at fault."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise ParamError(f"{param}: {message}" if param else message, param) from None
