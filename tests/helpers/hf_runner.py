@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shardserve.repo.repository import AttentionOp, GroupConfig, load_group
+from shardserve.repo.repository import GroupConfig, load_group
 from shardserve.runtime.attention import StepAttention, StepLayout
-from shardserve.runtime.kv_cache import CacheShape, KVCache
+from shardserve.runtime.kv_cache import KVCache
+from shardserve.runtime.kv_shape import cache_shape
 from shardserve.runtime.program import _default_session, run_group_locally
 
 Span = tuple[int, int, int]  # (seq_id, start position, tokens)
@@ -67,14 +68,3 @@ class PackedModel:
             tokens.append(int(np.argmax(logits[-1][-1])))
             logits.append(self.step([(seq_id, len(tokens) - 1, 1)], tokens[-1:]))
         return tokens[len(prompt) :], logits
-
-
-def cache_shape(group: GroupConfig, rank: int) -> CacheShape:
-    """The layers whose attention a rank runs, and its share of K/V heads (replicated when
-    there are fewer K/V heads than ranks per stage)."""
-    stage = group.stage_of(rank)
-    layers = tuple(op.layer for op in stage.program if isinstance(op, AttentionOp))
-    kv_heads = int(group.origin["kv_heads"])
-    return CacheShape(
-        layers, max(1, kv_heads // group.ranks_per_stage), int(group.origin["head_dim"])
-    )

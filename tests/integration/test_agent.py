@@ -242,7 +242,7 @@ async def test_two_ranks_run_a_job_then_stop_cleanly(
             while (beat := await scheduler.next(AgentHeartbeat, rank)).jobs_done == 0:
                 pass
         assert beat.jobs_done == 1 and beat.compute_ms_total > 0
-        assert beat.collective_ms_total >= 0
+        assert beat.collective_ms_total > 0  # both ranks took part in the allgather
     await scheduler.next(AgentHeartbeat, 1)  # a beat later: rank 1 ran the job, sent nothing
     assert scheduler.results.empty()
 

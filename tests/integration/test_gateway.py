@@ -172,12 +172,9 @@ class FakeScheduler:
         await self.broker.publish("", reply_to, reply, correlation_id=correlation_id)
 
     async def broadcast_status(self) -> None:
-        status = MeshStatus(
-            scheduler="fake",
-            time=time.time(),
-            servables=(servable_status(self.servable), servable_status(self.silent)),
-        )
-        while True:
+        servables = (servable_status(self.servable), servable_status(self.silent))
+        while True:  # each status stamped when sent: a test can tell a later one apart
+            status = MeshStatus(scheduler="fake", time=time.time(), servables=servables)
             await self.broker.publish(
                 topology.CONTROL_EXCHANGE, topology.KEY_SCHEDULER_STATUS, status
             )
@@ -367,14 +364,12 @@ async def test_broker_outage_fails_fast_then_recovers(
         )
         await asyncio.wait_for(scheduler.silent_received.wait(), 10)
         pids = await asyncio.to_thread(_gateway_connection_pids)
-        started = time.monotonic()
         closing = asyncio.create_task(asyncio.to_thread(_close_connections, pids))
         status, body = await pending
+        # Failed by the lost connection, not at its 60 s deadline (that would be a 504).
         assert status == 503, body
         assert "broker connection lost" in body["error"]
         assert body["code"] == "unavailable"
-        # At once (rabbitmqctl itself takes seconds), not at the 60 s deadline.
-        assert time.monotonic() - started < 40
         # During the outage: not ready, and new requests get 503 at once.
         async with session.get(f"{base}/v2/health/ready") as resp:
             assert resp.status == 503
@@ -386,6 +381,17 @@ async def test_broker_outage_fails_fast_then_recovers(
         await _wait_ready(gateway_process, scheduler.servable)
         status, body = await _post_infer(session, f"{base}/v2/models/{scheduler.servable}/infer")
         assert status == 200, body
-        await asyncio.sleep(1.0)
-        async with session.get(f"{base}/api/status") as resp:
-            assert (await resp.json())["age_s"] < 1.0  # statuses arrive after the reconnect
+        await _wait_status_sent_after(session, base, time.time())
+
+
+async def _wait_status_sent_after(
+    session: aiohttp.ClientSession, base: str, moment: float, within_s: float = 30.0
+) -> None:
+    """Until the gateway shows a status the fake scheduler sent after ``moment``: status
+    broadcasts flow again (the gateway offers no event to wait on from outside)."""
+    async with asyncio.timeout(within_s):
+        while True:
+            async with session.get(f"{base}/api/status") as resp:
+                if (await resp.json()).get("time", 0.0) > moment:
+                    return
+            await asyncio.sleep(0.1)

@@ -4,7 +4,9 @@ the algorithms over an in-process transport, and a stage's final collectives."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -61,6 +63,22 @@ def own(value: float) -> np.ndarray:
     return np.full((2, 1), value, dtype=np.float32)
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the other tasks run until ``condition`` holds (a step that follows then meets
+    the state it is meant to test, however the loop ran); fail after 5 s."""
+    async with asyncio.timeout(5):
+        # no event tells a coroutine's state: yield to the loop until the condition holds
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0)
+
+
+def waiting(task: asyncio.Task[Any]) -> Callable[[], bool]:
+    """Whether ``task`` runs and is suspended: here, waiting for its peers' parts."""
+    coroutine = task.get_coro()
+    assert inspect.iscoroutine(coroutine)
+    return lambda: inspect.getcoroutinestate(coroutine) == inspect.CORO_SUSPENDED
+
+
 async def test_early_parts_are_buffered_and_combined_in_rank_order() -> None:
     hub, wire, _ = make_hub(rank=1)
     hub.accept(part("j1", 0, 2, 2.0))  # before the job started here
@@ -73,11 +91,10 @@ async def test_early_parts_are_buffered_and_combined_in_rank_order() -> None:
 
 async def test_waits_for_late_parts() -> None:
     hub, _, _ = make_hub(rank=0, ranks=(0, 1))
-    waiting = asyncio.create_task(hub.begin("j", deadline=2000.0).gather(0, own(5.0)))
-    await asyncio.sleep(0)
-    assert not waiting.done()
+    gathering = asyncio.create_task(hub.begin("j", deadline=2000.0).gather(0, own(5.0)))
+    await until(waiting(gathering))
     hub.accept(part("j", 0, 1, 6.0))
-    parts = await asyncio.wait_for(waiting, 5)
+    parts = await asyncio.wait_for(gathering, 5)
     assert [float(p[0, 0]) for p in parts] == [5.0, 6.0]
 
 
@@ -109,11 +126,11 @@ async def test_real_timeout_when_a_peer_never_answers() -> None:
 
 async def test_cancel_aborts_a_waiting_job() -> None:
     hub, _, _ = make_hub(rank=0, ranks=(0, 1))
-    waiting = asyncio.create_task(hub.begin("j", deadline=2000.0).gather(0, own(1.0)))
-    await asyncio.sleep(0)
+    gathering = asyncio.create_task(hub.begin("j", deadline=2000.0).gather(0, own(1.0)))
+    await until(waiting(gathering))
     assert hub.cancel("j", "rank 1 lost")
     with pytest.raises(JobCancelledError, match="rank 1 lost"):
-        await asyncio.wait_for(waiting, 5)
+        await asyncio.wait_for(gathering, 5)
 
 
 async def test_cancel_before_start_marks_the_job_finished() -> None:
@@ -163,6 +180,7 @@ class Stage:
         self, ranks: tuple[int, ...], point_to_point: bool, min_shard_bytes: int = 2**40
     ) -> None:
         self.deliveries = 0
+        self.sent_to = dict.fromkeys(ranks, 0)  # point-to-point parts, by receiving rank
         self.hubs = {
             r: CollectiveHub(
                 rank=r,
@@ -182,6 +200,7 @@ class Stage:
 
     async def _send(self, rank: int, part: CollectivePart) -> None:
         self.deliveries += 1
+        self.sent_to[rank] += 1
         self.hubs[rank].accept(part)
 
     async def allreduce(self, job: str, arrays: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
@@ -300,8 +319,8 @@ async def test_shards_that_arrive_before_the_rank_starts_are_kept() -> None:
         *(stage.hubs[r].begin("j", float("inf")).allreduce(0, arrays[r]) for r in (0, 1))
     )
     task = asyncio.ensure_future(early)
-    await asyncio.sleep(0.01)  # ranks 0 and 1 sent their shards; rank 2 has not begun
-    assert not task.done()
+    await until(lambda: stage.sent_to[2] == 2)  # ranks 0 and 1 sent rank 2 their shards
+    assert not task.done()  # they wait for rank 2's, which has not begun
     late = await stage.hubs[2].begin("j", float("inf")).allreduce(0, arrays[2])
     for result in [*(await task), late]:
         assert result.tolist() == [6.0] * 6
@@ -316,7 +335,7 @@ async def test_a_missing_shard_reaches_the_deadline_naming_the_rank() -> None:
         )
     )
     task = asyncio.ensure_future(collective.allreduce(0, np.ones(6, dtype=np.float32)))
-    await asyncio.sleep(0)
+    await until(waiting(task))
     clock.now += 10
     collective.changed.set()
     with pytest.raises(DeadlineError, match="rank\\(s\\) 2"):
@@ -389,7 +408,7 @@ async def test_a_leader_missing_a_final_part_names_the_rank_at_the_deadline() ->
     hub.accept(part("j", 0, 2, 2.0))
     collective = hub.begin("j", deadline=clock.now + 5)
     task = asyncio.ensure_future(collective.to_leader(0, own(0.0), np.concatenate, reduce=False))
-    await asyncio.sleep(0)
+    await until(waiting(task))
     clock.now += 10
     collective.changed.set()
     with pytest.raises(DeadlineError, match="rank\\(s\\) 1"):
@@ -398,7 +417,7 @@ async def test_a_leader_missing_a_final_part_names_the_rank_at_the_deadline() ->
 
 
 def _stage_spec(program: tuple[object, ...], outputs: tuple[str, ...] = ("y",)) -> StageSpec:
-    return StageSpec(index=0, ranks=(0, 1, 2), inputs=("x",), outputs=outputs, program=program)  # type: ignore[arg-type]
+    return StageSpec(index=0, ranks=(0, 1, 2), inputs=("x",), outputs=outputs, program=program)
 
 
 RUN = RunOp(file="seg.onnx")
@@ -450,7 +469,7 @@ def test_final_collectives_are_those_whose_results_are_only_stage_outputs(
 class _Scale:
     """A segment: p = x * factor (one per rank, so the parts differ)."""
 
-    input_names = ("x",)
+    input_names: tuple[str, ...] = ("x",)
 
     def __init__(self, factor: float) -> None:
         self._factor = factor

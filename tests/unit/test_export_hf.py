@@ -216,11 +216,7 @@ def test_logits_and_greedy_tokens_equal_transformers(
     folder = FIXTURES / kind
     reference = json.loads((folder / "reference.json").read_text())
     arrays = load_file(str(folder / "reference.safetensors"))
-    try:
-        model = exported(folder, tmp_path, tp, pp)
-    except ExportError as exc:  # a layout the shapes refuse: refused with the reason
-        assert "do not divide" in str(exc) or "cannot" in str(exc)
-        return
+    model = exported(folder, tmp_path, tp, pp)  # every fixture divides at every layout here
     for index, prompt in enumerate(reference["prompts"]):
         ids, greedy = prompt["input_ids"], prompt["greedy_ids"]
         tokens, logits = model.generate(index, ids, len(greedy))

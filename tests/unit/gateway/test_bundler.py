@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 
@@ -53,6 +54,23 @@ async def bundler(publish: GatedPublish) -> AsyncIterator[RequestBundler]:
         await task
 
 
+def awaiting_confirm(send: asyncio.Task[None]) -> bool:
+    """Whether ``send`` has queued its request and waits for its confirm (its one
+    suspension point)."""
+    coroutine = send.get_coro()
+    assert inspect.iscoroutine(coroutine)
+    return inspect.getcoroutinestate(coroutine) == inspect.CORO_SUSPENDED
+
+
+async def queued(*sends: asyncio.Task[None]) -> None:
+    """Until every ``send`` is queued: a step that follows meets them all queued, however
+    the loop ran them."""
+    async with asyncio.timeout(5):
+        # a coroutine's state has no event to wait on: yield to the loop until it holds
+        while not all(awaiting_confirm(send) for send in sends):  # noqa: ASYNC110
+            await asyncio.sleep(0)
+
+
 def ids(message: InferRequest | InferRequestBundle) -> list[str]:
     if isinstance(message, InferRequest):
         return [message.id]
@@ -72,8 +90,8 @@ async def test_requests_piling_up_behind_a_publish_leave_as_bundles(
     first = asyncio.create_task(bundler.send(request("a"), "c-a", 4))
     await publish.started.wait()
     rest = [asyncio.create_task(bundler.send(request(n), f"c-{n}", 4)) for n in "bcdef"]
-    await asyncio.sleep(0.01)
-    assert not any(t.done() for t in [first, *rest])  # nothing confirmed yet
+    await queued(*rest)
+    assert [ids(m) for m in publish.messages] == [["a"]]  # the rest wait behind it
     publish.gate.set()
     await asyncio.gather(first, *rest)
     assert [ids(m) for m in publish.messages] == [["a"], ["b", "c", "d"], ["e", "f"]]
@@ -114,7 +132,7 @@ async def test_a_caller_that_left_is_not_sent(
     await publish.started.wait()
     gone = asyncio.create_task(bundler.send(request("gone"), "gone", 4))
     kept = asyncio.create_task(bundler.send(request("kept"), "kept", 4))
-    await asyncio.sleep(0)
+    await queued(gone, kept)
     gone.cancel()
     publish.gate.set()
     await asyncio.gather(first, kept)
@@ -127,7 +145,7 @@ async def test_stopping_fails_what_waits_and_refuses_new_requests(publish: Gated
     inflight = asyncio.create_task(bundler.send(request("a"), "a", 4))
     await publish.started.wait()
     waiting = asyncio.create_task(bundler.send(request("b"), "b", 4))
-    await asyncio.sleep(0.01)
+    await queued(waiting)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -23,6 +23,7 @@ from shardserve.repo.repository import (
     sha256_file,
     verify_rank_files,
 )
+from shardserve_agent.kv_budget import make_kv_cache
 from shardserve_agent.outsider import report_outside_rank
 from shardserve_agent.service import EXIT_REFUSED, AgentService
 from shardserve_agent.settings import AgentSettings, parse_settings
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             exc,
         )
         return EXIT_FATAL
-    service = AgentService(settings, loaded)
+    # Empty at every start: a restarted agent has lost its sequences (their steps fail).
+    service = AgentService(settings, loaded, make_kv_cache(settings, loaded))
     try:
         code = run_service(service.run)
     except Exception:

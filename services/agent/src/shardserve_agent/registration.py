@@ -73,6 +73,10 @@ class Registration:
             jobs_done=work.jobs_done,
             compute_ms_total=work.compute_ms_total,
             collective_ms_total=work.collective_ms_total,
+            kv_capacity_bytes=work.kv_capacity_bytes,
+            kv_used_bytes=work.kv_used_bytes,
+            kv_bytes_per_token=work.kv_bytes_per_token,
+            sequences=work.sequences,
             control_key=agent_control_key(self.instance),
         )
 

@@ -17,6 +17,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
 from shardserve.amqp.collective import CollectiveHub
+from shardserve.runtime.kv_cache import KVCache
 from shardserve.wire.protocol import (
     CollectivePart,
     JobCancel,
@@ -24,6 +25,7 @@ from shardserve.wire.protocol import (
     RegistrationVerdict,
     SchedulerHello,
     StageResult,
+    StepResult,
 )
 from shardserve.wire.topology import (
     COLLECTIVE_EXCHANGE,
@@ -57,7 +59,9 @@ def make_instance_id(servable: str, version: int, rank: int) -> str:
 class AgentService:
     """One rank's agent, from registration to bye."""
 
-    def __init__(self, settings: AgentSettings, loaded: LoadedSlice) -> None:
+    def __init__(
+        self, settings: AgentSettings, loaded: LoadedSlice, kv_cache: KVCache | None = None
+    ) -> None:
         self.settings = settings
         self.loaded = loaded
         group = loaded.group
@@ -75,7 +79,7 @@ class AgentService:
             publish=self._publish_part,
             send_to=self._send_part,
         )
-        self._worker = StageWorker(loaded, self._hub, self._publish_result)
+        self._worker = StageWorker(loaded, self._hub, self._publish_result, kv_cache=kv_cache)
         self._registration = Registration(self._broker, loaded, self.instance, self._worker.stats)
         self._accepted = False
 
@@ -88,7 +92,7 @@ class AgentService:
         queue = agent_collective_queue(group.servable, group.version, rank).name
         await self._broker.publish("", queue, part)
 
-    async def _publish_result(self, result_to: str, result: StageResult) -> None:
+    async def _publish_result(self, result_to: str, result: StageResult | StepResult) -> None:
         await self._broker.publish("", result_to, result)
 
     async def run(self, stop: asyncio.Event) -> None:

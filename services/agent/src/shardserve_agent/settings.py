@@ -54,7 +54,12 @@ SHARE_WEIGHTS_HELP = (
     "same bytes) and hand it to every session that uses it (default on). Those sessions "
     "run with weight prepacking off: a packed copy per session would undo the saving."
 )
-
+KV_CACHE_HELP = (
+    "generation servables: the KV cache budget of this rank in MiB (sequences are admitted "
+    "only while their whole length fits). Default: the smallest of 4096 MiB, 60 %% of the "
+    "memory available at start minus the slice, and, with --max-memory-mb, half the room "
+    "that cap leaves once the slice is loaded. A value above that room is lowered to it."
+)
 
 THREADS_HELP = (
     "onnxruntime intra-op threads per session (default 1; auto: every core this process may "
@@ -108,6 +113,9 @@ class AgentSettings:
     )
     share_weights: bool = option("--share-weights", True, kind="switch", help=SHARE_WEIGHTS_HELP)
     max_memory_mb: int | None = option("--max-memory-mb", parse=positive_int, help=MEMORY_HELP)
+    kv_cache_mb: int | None = option(  # None: from free memory and the cap (kv_budget.py)
+        "--kv-cache-mb", parse=positive_int, help=KV_CACHE_HELP
+    )
     heartbeat_interval: float = option(
         "--heartbeat-interval", 1.0, parse=positive_float, help="seconds between heartbeats"
     )

@@ -4,6 +4,9 @@ All ranks of a stage receive the same jobs in the same order (one publish, one c
 running them strictly in that order, one at a time, means peers always wait on the same
 job's collectives and never on each other crosswise. Errors become ``StageResult.error``;
 the worker itself never dies of a bad job.
+
+Generation steps (StepWork) and frees (SequencesFree) come on the same queue and take
+their turn in the same order; ``shardserve_agent.stepper`` runs them.
 """
 
 from __future__ import annotations
@@ -11,52 +14,55 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import numpy as np
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.collective import CollectiveHub, JobCancelledError, JobCollective
 from shardserve.errors import ErrorCode, InferenceError, ShardserveError
 from shardserve.process.lifecycle import request_id_var
+from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.program import Env, run_stage
-from shardserve.wire.protocol import ErrorInfo, Message, StageResult, StageWork
-from shardserve.wire.tensors import Tensor, digest_mismatch, digest_tensors, tensor_bytes
+from shardserve.wire.protocol import (
+    ErrorInfo,
+    Message,
+    SequencesFree,
+    StageResult,
+    StageWork,
+    StepResult,
+    StepWork,
+)
+from shardserve.wire.tensors import Tensor
 from shardserve_agent.slice_loader import LoadedSlice
+from shardserve_agent.stepper import Stepper
+from shardserve_agent.work_checks import (
+    describe_failure,
+    digest_problem,
+    finished,
+    identity_problem,
+)
 
 _logger = logging.getLogger(__name__)
 
-ResultPublisher = Callable[[str, StageResult], Awaitable[None]]
+ResultPublisher = Callable[[str, StageResult | StepResult], Awaitable[None]]
+QueuedWork = StageWork | StepWork | SequencesFree
 Clock = Callable[[], float]
-
-# Tensors bigger than this are digested and converted in a thread: a 64 MB activation
-# takes tens of ms to hash and copy, and the event loop must keep heartbeating. Below, a
-# thread hand-off costs more than the work: a TP8 rank digesting 1-1.5 MiB stacked jobs
-# in a thread served 25-35 % fewer binary requests per second than inline.
-OFF_LOOP_BYTES = 4 * 1024 * 1024
-
-
-def _finished_tensors(outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Tensor], str]:
-    tensors = {name: Tensor.from_numpy(array) for name, array in outputs.items()}
-    return tensors, digest_tensors(tensors)
-
-
-async def _finished(outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, Tensor], str]:
-    """The outputs as wire tensors and their digest; in a thread when they are big."""
-    if sum(int(a.nbytes) for a in outputs.values()) > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(_finished_tensors, outputs)
-    return _finished_tensors(outputs)
 
 
 @dataclass(frozen=True)
 class WorkStats:
-    """What the heartbeat reports about this rank's work so far."""
+    """What the heartbeat reports about this rank's work so far (jobs and steps)."""
 
     inflight: int = 0
     jobs_done: int = 0
     compute_ms_total: float = 0.0
     collective_ms_total: float = 0.0
+    # generation servables: the KV cache (zeros for other servables)
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    sequences: int = 0
 
 
 class StageWorker:
@@ -68,6 +74,7 @@ class StageWorker:
         hub: CollectiveHub,
         publish_result: ResultPublisher,
         clock: Clock = time.time,
+        kv_cache: KVCache | None = None,
     ) -> None:
         self._slice = loaded
         self._hub = hub
@@ -83,18 +90,24 @@ class StageWorker:
         self.completed = 0
         self.compute_ms_total = 0.0
         self.collective_ms_total = 0.0
+        self.stepper = Stepper(loaded, hub, kv_cache, self.account, clock)
 
     def stats(self) -> WorkStats:
+        cache = self.stepper.cache
         return WorkStats(
             inflight=self.inflight,
             jobs_done=self.completed,
             compute_ms_total=self.compute_ms_total,
             collective_ms_total=self.collective_ms_total,
+            kv_capacity_bytes=cache.budget_bytes if cache else 0,
+            kv_used_bytes=cache.used_bytes if cache else 0,
+            kv_bytes_per_token=cache.bytes_per_token if cache else 0,
+            sequences=len(cache.sequences()) if cache else 0,
         )
 
     async def handle(self, message: Message, incoming: AbstractIncomingMessage) -> None:
         """Broker handler of the work queue (acked when this returns)."""
-        if not isinstance(message, StageWork):
+        if not isinstance(message, StageWork | StepWork | SequencesFree):
             _logger.warning("dropping a %s message on the work queue", message.kind)
             return
         self._enter()
@@ -113,12 +126,20 @@ class StageWorker:
         if self._waiting == 0:
             self._idle.set()
 
-    async def _take_turn(self, work: StageWork) -> None:
+    async def _take_turn(self, work: QueuedWork) -> None:
+        if isinstance(work, SequencesFree):
+            self.stepper.free(work)
+            return
         # Log lines carry the ids of the requests this job serves (a batch has several).
-        token = request_id_var.set(",".join(work.requests) or work.job)
+        label = work.step if isinstance(work, StepWork) else ",".join(work.requests) or work.job
+        token = request_id_var.set(label)
         self.inflight = 1
         try:
-            result = await self._outcome(work)
+            result: StageResult | StepResult | None
+            if isinstance(work, StepWork):
+                result = await self.stepper.outcome(work, self.draining)
+            else:
+                result = await self._outcome(work)
             if result is not None:
                 await self._send(work.result_to, result)
         finally:
@@ -151,44 +172,20 @@ class StageWorker:
             return self._error(
                 work, ErrorCode.DEADLINE, f"rank {rank}: deadline passed before the stage started"
             )
-        problem = self._check(work) or await self._check_digest(work)
+        problem = identity_problem(
+            self._slice, work.servable, work.version, work.stage, work.inputs
+        ) or await digest_problem(rank, work.inputs, work.digest)
         if problem is not None:
             self._hub.finish(work.job)
             return self._error(work, ErrorCode.INTERNAL, problem)
         return await self._run(work)
-
-    def _check(self, work: StageWork) -> str | None:
-        """Why this work cannot run here, or None."""
-        rank, stage = self._slice.rank, self._slice.stage
-        group = self._slice.group
-        if (work.servable, work.version, work.stage) != (
-            group.servable,
-            group.version,
-            stage.index,
-        ):
-            return (
-                f"rank {rank} serves {group.servable} v{group.version} stage {stage.index}, "
-                f"got work for {work.servable} v{work.version} stage {work.stage}"
-            )
-        missing = [name for name in stage.inputs if name not in work.inputs]
-        if missing:
-            return f"rank {rank}: stage {stage.index} input(s) {', '.join(missing)} missing"
-        return None
-
-    async def _check_digest(self, work: StageWork) -> str | None:
-        if tensor_bytes(work.inputs) > OFF_LOOP_BYTES:
-            digest = await asyncio.to_thread(digest_tensors, work.inputs)
-        else:
-            digest = digest_tensors(work.inputs)
-        problem = digest_mismatch(work.digest, digest, "digest mismatch (corrupted in transit?)")
-        return f"rank {self._slice.rank}: stage input {problem}" if problem else None
 
     async def _run(self, work: StageWork) -> StageResult | None:
         collective = self._hub.begin(work.job, work.deadline)
         started = time.perf_counter()
         try:
             outputs = await self._computed(work, collective)
-            tensors, digest = await _finished(outputs)
+            tensors, digest = await finished(outputs)
         except JobCancelledError as exc:
             _logger.info("%s", exc)
             return None
@@ -197,10 +194,10 @@ class StageWorker:
             return self._error(work, exc.code, exc.message)
         except Exception as exc:  # a failing model or a broken peer part: report, keep serving
             _logger.exception("job %s failed on rank %d", work.job, self._slice.rank)
-            return self._error(work, ErrorCode.INTERNAL, _describe(self._slice.rank, exc))
+            return self._error(work, ErrorCode.INTERNAL, describe_failure(self._slice.rank, exc))
         finally:
             self._hub.finish(work.job)
-        compute_ms = self._account(work, started, collective.wait_ms)
+        compute_ms = self.account(work.stage, started, collective.wait_ms)
         if not outputs and self._slice.stage.outputs:
             # The stage's outputs were combined at the leader, from this rank's part among
             # the others: the leader's result answers for this rank (the scheduler expects
@@ -243,16 +240,16 @@ class StageWorker:
             outputs_at_leader=True,
         )
 
-    def _account(self, work: StageWork, started: float, wait_ms: float) -> float:
-        """Count a finished job in the heartbeat's totals; its compute ms (time not spent
-        waiting for peers)."""
+    def account(self, stage: int, started: float, wait_ms: float) -> float:
+        """Count a finished job or step in the heartbeat's totals; its compute ms (time
+        not spent waiting for peers)."""
         total_ms = (time.perf_counter() - started) * 1000
         compute_ms = max(total_ms - wait_ms, 0.0)
         self.completed += 1
         self.compute_ms_total += compute_ms
         self.collective_ms_total += wait_ms
         _logger.debug(
-            "stage %d done in %.1f ms (%.1f ms waiting for peers)", work.stage, total_ms, wait_ms
+            "stage %d done in %.1f ms (%.1f ms waiting for peers)", stage, total_ms, wait_ms
         )
         return compute_ms
 
@@ -266,13 +263,9 @@ class StageWorker:
             error=ErrorInfo(code=code, message=message),
         )
 
-    async def _send(self, result_to: str, result: StageResult) -> None:
+    async def _send(self, result_to: str, result: StageResult | StepResult) -> None:
         try:
             await self._publish_result(result_to, result)
         except ShardserveError as exc:  # broker down: the scheduler times the job out
-            _logger.warning("could not send the result of job %s: %s", result.job, exc)
-
-
-def _describe(rank: int, exc: Exception) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"rank {rank} failed to run its stage: {type(exc).__name__}: {text}"[:2000]
+            label = result.step if isinstance(result, StepResult) else result.job
+            _logger.warning("could not send the result of %s: %s", label, exc)
