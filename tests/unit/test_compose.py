@@ -1,22 +1,31 @@
 """docker-compose.yml, deploy/Dockerfile and the RabbitMQ definitions agree with the code:
 every command parses with the parser that will run it, the agents cover the group, start
 and stop orders drain, and each service's broker user may do exactly what topology.py
-says that service does."""
+says that service does. The rules a real run taught (scripts/compose-check runs the stack
+end to end) are kept here as structure: base images are parameters with the official
+images as defaults, one service builds the image, the gateway's port is a variable, the
+broker is healthy only once AMQP connections are accepted, the image has no VOLUME and
+installs pinned dependencies."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import importlib
+import importlib.util
 import json
 import re
+import tomllib
 from graphlib import TopologicalSorter
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from shardserve import cli
 from shardserve.wire import topology
@@ -27,7 +36,14 @@ SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 DEFINITIONS = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 AGENTS = sorted(name for name in SERVICES if name.startswith("agent-"))
-OURS = sorted(name for name, svc in SERVICES.items() if svc.get("image") == "shardserve:dev")
+OUR_IMAGE = "${SHARDSERVE_IMAGE:-shardserve:dev}"
+OURS = sorted(name for name, svc in SERVICES.items() if svc.get("image") == OUR_IMAGE)
+VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """What compose (v1 and v2) makes of ``${NAME}`` and ``${NAME:-default}``."""
+    return VARIABLE.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), value)
 
 
 def service_parser(role: str) -> Any:
@@ -88,31 +104,167 @@ def test_agents_parse_to_their_rank_with_the_agent_parser() -> None:
         assert settings.rank == int(name.removeprefix("agent-"))
 
 
-def test_gateway_listens_on_all_interfaces_and_publishes_its_port() -> None:
+def test_interpolate_reads_like_compose() -> None:
+    assert interpolate("${A:-x}:${B}", {}) == "x:"
+    assert interpolate("${A:-x}:${B}", {"A": "1", "B": "2"}) == "1:2"
+    assert interpolate("${A:-x}", {"A": ""}) == "x"  # `:-` also replaces an empty value
+
+
+def _gateway_port_mapping(env: dict[str, str]) -> tuple[str, str, str]:
+    [mapping] = SERVICES["gateway"]["ports"]
+    address, host_port, container_port = interpolate(mapping, env).split(":")
+    return address, host_port, container_port
+
+
+def test_gateway_listens_on_all_interfaces_and_publishes_a_variable_port() -> None:
     gateway = SERVICES["gateway"]
     args = dict(zip(gateway["command"][1::2], gateway["command"][2::2], strict=True))
-    assert args["--host"] == "0.0.0.0"
-    assert f"8080:{args['--http-port']}" in gateway["ports"]
+    assert args["--host"] == "0.0.0.0"  # inside the container: the published port reaches it
+    assert _gateway_port_mapping({}) == ("0.0.0.0", "8080", args["--http-port"])
+    # One string with variables: an override file would append a second mapping instead.
+    local = {"SHARDSERVE_GATEWAY_ADDRESS": "127.0.0.1", "SHARDSERVE_GATEWAY_PORT": "18080"}
+    assert _gateway_port_mapping(local) == ("127.0.0.1", "18080", args["--http-port"])
 
 
-def test_image_is_built_from_the_dockerfile_whose_entrypoint_is_the_cli() -> None:
-    for name in OURS:
-        assert SERVICES[name]["build"]["dockerfile"] == "deploy/Dockerfile"
-        assert (ROOT / SERVICES[name]["build"]["context"] / "deploy" / "Dockerfile").is_file()
-    assert re.search(r'^ENTRYPOINT \["shardserve"\]$', DOCKERFILE, re.M)
+def test_only_export_builds_the_image_the_others_run_by_name() -> None:
+    builders = [name for name, svc in SERVICES.items() if "build" in svc]
+    assert builders == ["export"]
+    build = SERVICES["export"]["build"]
+    assert build["dockerfile"] == "deploy/Dockerfile"
+    assert (ROOT / build["context"] / "deploy" / "Dockerfile").is_file()
+    # Every service that needs the image starts after the one that builds it.
+    for name in set(OURS) - {"export", "gateway"}:
+        assert "export" in SERVICES[name]["depends_on"]
+    assert "scheduler" in SERVICES["gateway"]["depends_on"]
+
+
+def test_base_images_are_parameters_with_the_official_images_as_defaults() -> None:
+    python_arg = SERVICES["export"]["build"]["args"]["PYTHON_IMAGE"]
+    rabbitmq = SERVICES["rabbitmq"]["image"]
+    assert interpolate(python_arg, {}) == "python:3.11-slim"
+    assert interpolate(rabbitmq, {}) == "rabbitmq:3.13"
+    stand_ins = {
+        "SHARDSERVE_PYTHON_IMAGE": "shardserve-standin/python:3.11",
+        "SHARDSERVE_RABBITMQ_IMAGE": "shardserve-standin/rabbitmq:3",
+    }
+    assert interpolate(python_arg, stand_ins) == "shardserve-standin/python:3.11"
+    assert interpolate(rabbitmq, stand_ins) == "shardserve-standin/rabbitmq:3"
+    assert interpolate(OUR_IMAGE, {}) == "shardserve:dev"
+
+
+def _instructions(dockerfile: str) -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", dockerfile)  # continuation lines
+    lines = [line.strip() for line in joined.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in lines
+        if line and not line.startswith("#")
+    ]
+
+
+def test_dockerfile_takes_its_base_as_an_arg_with_the_official_default() -> None:
+    steps = _instructions(DOCKERFILE)
+    assert steps[0] == ("ARG", "PYTHON_IMAGE=python:3.11-slim")  # before FROM: usable in FROM
+    froms = [arg for op, arg in steps if op == "FROM"]
+    assert froms == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+
+
+def test_image_runs_the_cli_as_non_root_without_volumes() -> None:
+    steps = _instructions(DOCKERFILE)
+    assert ("ENTRYPOINT", '["shardserve"]') in steps
     assert 'shardserve = "shardserve.cli:main"' in (ROOT / "pyproject.toml").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", DOCKERFILE, re.M)
-    users = re.findall(r"^USER (\S+)$", DOCKERFILE, re.M)
+    users = [arg for op, arg in steps if op == "USER"]
     assert users and users[-1] not in ("root", "0")
-    assert 'VOLUME ["/models"]' in DOCKERFILE
+    # A VOLUME gives every container of the image an anonymous volume `down` leaves behind.
+    assert [op for op, _ in steps if op == "VOLUME"] == []
     # The sources the image installs are the ones pyproject packages.
     for folder in ("shared", "services"):
-        assert f"COPY {folder} ./{folder}" in DOCKERFILE
+        assert ("COPY", f"{folder} ./{folder}") in steps
 
 
-def test_rabbitmq_has_a_healthcheck_and_loads_the_definitions() -> None:
+def test_image_installs_the_pinned_constraints() -> None:
+    steps = _instructions(DOCKERFILE)
+    assert ("COPY", "deploy/constraints.txt ./deploy/constraints.txt") in steps
+    [install] = [arg for op, arg in steps if op == "RUN" and "pip install" in arg]
+    assert "--constraint deploy/constraints.txt ." in install
+
+
+def _ignore_patterns(path: Path) -> list[str]:
+    lines = [line.strip() for line in path.read_text().splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_both_builders_see_the_same_small_context() -> None:
+    legacy = _ignore_patterns(ROOT / ".dockerignore")  # the only file the legacy builder reads
+    assert legacy == _ignore_patterns(ROOT / "deploy" / "Dockerfile.dockerignore")  # BuildKit
+    assert legacy[0] == "**"  # everything out (.git, .venv, caches, results) ...
+    kept = {p.removeprefix("!") for p in legacy if p.startswith("!")}
+    copied = {
+        source
+        for op, arg in _instructions(DOCKERFILE)
+        if op == "COPY" and not arg.startswith("--from")
+        for source in arg.split()[:-1]
+    }
+    assert kept == copied  # ... but what the image copies
+
+
+# ---------------------------------------------------------------- the lock file
+
+
+def _lock_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "lock_constraints", ROOT / "deploy" / "lock_constraints.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pins() -> dict[str, str]:
+    text = (ROOT / "deploy" / "constraints.txt").read_text()
+    pairs = re.findall(r"^([A-Za-z0-9._-]+)==(\S+)$", text, re.M)
+    return {canonicalize_name(name): version for name, version in pairs}
+
+
+def test_constraints_pin_every_runtime_dependency_within_pyproject() -> None:
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = _pins()
+    for text in dependencies:
+        requirement = Requirement(text)
+        pinned = pins.get(canonicalize_name(requirement.name))
+        assert pinned is not None, f"{requirement.name} is not in deploy/constraints.txt"
+        assert requirement.specifier.contains(pinned, prereleases=True), (text, pinned)
+    assert not {"pytest", "mypy", "ruff", "hypothesis"} & set(pins)  # no dev tools
+
+
+def test_closure_follows_markers_extras_and_cycles() -> None:
+    graph = {
+        "app": ["lib[fast]>=1", "winonly; sys_platform == 'win32'", "Cyc"],
+        "lib": ["base", "speedup; extra == 'fast'", "docs; extra == 'docs'"],
+        "base": [],
+        "speedup": ["base"],
+        "cyc": ["app"],
+    }
+    closure = _lock_module().closure(
+        ["app"], lambda name: graph[canonicalize_name(name)], lambda name: f"1.{len(name)}"
+    )
+    assert closure == {"app": "1.3", "lib": "1.3", "base": "1.4", "speedup": "1.7", "cyc": "1.3"}
+
+
+def test_rabbitmq_is_healthy_once_it_accepts_amqp_connections() -> None:
     rabbit = SERVICES["rabbitmq"]
-    assert rabbit["healthcheck"]["test"] == ["CMD", "rabbitmq-diagnostics", "-q", "ping"]
+    # `ping` answers while the node boots, before the AMQP listener accepts connections.
+    assert rabbit["healthcheck"]["test"] == [
+        "CMD",
+        "rabbitmq-diagnostics",
+        "-q",
+        "check_port_connectivity",
+    ]
+
+
+def test_rabbitmq_loads_the_definitions() -> None:
+    rabbit = SERVICES["rabbitmq"]
     mounts = {m.split(":")[1]: m.split(":")[0] for m in rabbit["volumes"]}
     conf = (ROOT / "deploy" / "rabbitmq" / "rabbitmq.conf").read_text()
     loaded = re.search(r"^load_definitions = (\S+)$", conf, re.M)
