@@ -10,6 +10,9 @@ import yaml
 from shardserve.client.asyncapi import build_asyncapi, main
 from shardserve.errors import ErrorCode
 from shardserve.wire.protocol import (
+    GenerateCancel,
+    GenerateChunk,
+    GenerateRequest,
     InferReply,
     InferReplyBundle,
     InferRequest,
@@ -81,9 +84,25 @@ def test_channels_name_the_request_exchange_and_the_reply_queue() -> None:
     assert sent == [
         "#/components/messages/InferRequest",
         "#/components/messages/InferRequestBundle",
+        "#/components/messages/GenerateRequest",
+        "#/components/messages/GenerateCancel",
     ]
     received = [m["$ref"] for m in channels["{reply_to}"]["subscribe"]["message"]["oneOf"]]
     assert received == [
         "#/components/messages/InferReply",
         "#/components/messages/InferReplyBundle",
+        "#/components/messages/GenerateChunk",
     ]
+
+
+def test_generation_messages_are_documented_from_their_models() -> None:
+    document = build_asyncapi()
+    schemas, messages = document["components"]["schemas"], document["components"]["messages"]
+    for model in (GenerateRequest, GenerateCancel, GenerateChunk):
+        assert set(schemas[model.__name__]["properties"]) == set(model.model_fields)
+        kind = model.model_fields["kind"].default
+        assert schemas[model.__name__]["properties"]["kind"]["const"] == kind
+        assert messages[model.__name__]["bindings"]["amqp"]["messageType"] == kind
+    assert {"SamplingParams", "ChatMessage", "Usage", "TokenLogprob"} <= set(schemas)
+    assert "numbered by `seq` from 0" in schemas["GenerateRequest"]["description"]
+    assert "`cancelled`" in schemas["GenerateCancel"]["description"]

@@ -133,7 +133,7 @@ def test_repository_layout_tokenizer_and_determinism(
     attention = [op.layer for s in group.stages for op in s.program if isinstance(op, AttentionOp)]
     assert attention == [0, 1]
     config = (tmp_path / "one/qwen2/servable_config.py").read_text()
-    assert "def predict(input_ids, positions, logit_rows)" in config
+    assert "generation=True" in config and "register_method" not in config
 
 
 # ---------------------------------------------------------------- refusals

@@ -13,7 +13,19 @@ A servable folder holds ``servable_config.py``::
 
 ``register_method`` runs the method once at load time with placeholders, recording a
 static chain of stages (the distributed model, or Python functions for pre- and
-post-processing). ``load_servable_config`` executes the file in isolation and returns a
+post-processing).
+
+A text-generation servable (what ``shardserve export hf`` writes) declares itself and
+registers no method::
+
+    model = declare_servable(rank_size=2, stage_size=1, generation=True)
+
+It takes GenerateRequests (OpenAI ``/v1/completions``, Triton ``.../generate``,
+``Client.generate``, the queue level), stepped token by token over the mesh. A method
+would receive one step's packed rows and run them without a KV cache, so none may be
+registered: ``register_method`` in such a config is a load error naming its line.
+
+``load_servable_config`` executes the file in isolation and returns a
 ``ServableDefinition``; any problem is a ``ServableConfigError`` naming file, line and
 problem, and touches no other servable.
 """
@@ -30,6 +42,10 @@ from typing import Any
 
 from shardserve.errors import ServableConfigError
 
+# group.json ``origin["task"]`` of a text-generation servable; its servable_config.py
+# declares ``generation=True`` (both written by ``shardserve export hf``)
+GENERATION_TASK = "text-generation"
+
 
 @dataclass(frozen=True)
 class DistributedModel:
@@ -40,6 +56,7 @@ class DistributedModel:
     with_batch_dim: bool = True
     without_batch_dim_inputs: tuple[int, ...] = ()
     enable_pipeline_infer: bool = True
+    generation: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,11 @@ class ServableDefinition:
     model: DistributedModel | None = None
     methods: dict[str, MethodDefinition] = field(default_factory=dict)
 
+    @property
+    def generation(self) -> bool:
+        """Declared ``generation=True``: it serves GenerateRequests, not methods."""
+        return self.model is not None and self.model.generation
+
 
 @dataclass
 class _Recording:
@@ -98,8 +120,10 @@ def declare_servable(
     with_batch_dim: bool = True,
     without_batch_dim_inputs: int | tuple[int, ...] | list[int] | None = None,
     enable_pipeline_infer: bool = True,
+    generation: bool = False,
 ) -> DistributedModel:
-    """Declare the servable's distributed model (exactly once per servable_config.py)."""
+    """Declare the servable's distributed model (exactly once per servable_config.py);
+    ``generation=True`` makes it a text-generation servable (no methods)."""
     definition = _require_loading("declare_servable")
     if definition.model is not None:
         raise ValueError("declare_servable was called more than once")
@@ -108,11 +132,27 @@ def declare_servable(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if rank_size % stage_size != 0:
         raise ValueError(f"rank_size {rank_size} is not a multiple of stage_size {stage_size}")
+    if not isinstance(generation, bool):
+        raise ValueError(f"generation must be True or False, got {generation!r}")
+    if generation and definition.methods:
+        raise ValueError(_NO_METHODS.format(methods=", ".join(sorted(definition.methods))))
     no_batch = _as_index_tuple(without_batch_dim_inputs)
     definition.model = DistributedModel(
-        rank_size, stage_size, bool(with_batch_dim), no_batch, bool(enable_pipeline_infer)
+        rank_size,
+        stage_size,
+        bool(with_batch_dim),
+        no_batch,
+        bool(enable_pipeline_infer),
+        generation,
     )
     return definition.model
+
+
+_NO_METHODS = (
+    "a text-generation servable (declare_servable(..., generation=True)) registers no method "
+    "(found: {methods}): it is called with generate requests (/v1/completions, "
+    "/v1/chat/completions, /v2/models/<name>/generate), see docs/generation.md"
+)
 
 
 def _as_index_tuple(value: int | tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
@@ -132,6 +172,8 @@ def register_method(
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         definition = _require_loading("register_method")
+        if definition.generation:
+            raise ValueError(_NO_METHODS.format(methods=fn.__name__))
         definition.methods[fn.__name__] = _record_method(fn, names)
         return fn
 
@@ -211,8 +253,11 @@ def load_servable_config(path: Path) -> ServableDefinition:
         _current = None
     if definition.model is None:
         raise ServableConfigError(f"{path}: declare_servable(...) was never called")
-    if not definition.methods:
-        raise ServableConfigError(f"{path}: no method registered (use @register_method)")
+    if not definition.methods and not definition.generation:
+        raise ServableConfigError(
+            f"{path}: no method registered (use @register_method, or declare_servable(..., "
+            "generation=True) for a text-generation servable)"
+        )
     return definition
 
 

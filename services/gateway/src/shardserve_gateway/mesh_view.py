@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
-from shardserve.errors import NotFoundError, UnavailableError
+from shardserve.errors import BadInputError, NotFoundError, UnavailableError
 from shardserve.process.lifecycle import set_within
 from shardserve.wire import topology
 from shardserve.wire.protocol import (
@@ -72,6 +72,11 @@ def default_method(servable: ServableStatus) -> MethodStatus:
     for method in servable.methods:
         if method.name == DEFAULT_METHOD:
             return method
+    if not servable.methods and servable.generation:
+        raise BadInputError(
+            f"servable {servable.name!r} is a text-generation servable: use /v1/completions, "
+            f"/v1/chat/completions or /v2/models/{servable.name}/generate"
+        )
     if not servable.methods:
         raise NotFoundError(f"servable {servable.name!r} declares no methods")
     return servable.methods[0]

@@ -6,8 +6,11 @@ RepositoryCommand "unload" (or a version folder removed from disk) puts the vers
 state "unloading": explicit requests for it get 503, version 0 skips it; once its open
 requests are done it is dropped (then 404), and every agent still holding one of its
 ranks gets ``RegistrationVerdict(accepted=False, reason="unloaded")``, so it exits
-(code 3). An unloaded version comes back only with a "load" command (a scan does not
-re-add it).
+(code 3). A text-generation version drains the same way: it is dropped once it has no
+open sequence (waiting or running) and no step in flight; then the generation machine and
+the tokenizer cache forget it too, so a later "load" of the same version starts afresh
+(a re-exported tokenizer is read again). An unloaded version comes back only with a
+"load" command (a scan does not re-add it).
 
 Active and standby schedulers both receive every command (each has its own control
 queue) and both apply it to their own catalog, so a standby that takes over serves the
@@ -24,9 +27,12 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from shardserve.repo.repository import GroupConfig
 from shardserve.wire.protocol import RegistrationVerdict, RepositoryCommand
 from shardserve_scheduler.core import rescan
 from shardserve_scheduler.core.catalog import Catalog, GroupKey
+from shardserve_scheduler.core.generation.machine import GenerationMachine
+from shardserve_scheduler.core.generation.texts import TextModels
 from shardserve_scheduler.core.registry import Registry
 from shardserve_scheduler.core.requests import RequestMachine
 
@@ -47,6 +53,8 @@ class RepositoryChanges:
         *,
         changed: Callable[[], None],
         send_verdict: Callable[[RegistrationVerdict], None],
+        generation: GenerationMachine | None = None,
+        texts: TextModels | None = None,
     ) -> None:
         self._repository = repository
         self._catalog = catalog
@@ -54,6 +62,8 @@ class RepositoryChanges:
         self._machine = machine
         self._changed = changed
         self._send_verdict = send_verdict
+        self._generation = generation
+        self._texts = texts
         self._held_back: set[GroupKey] = set()  # unloaded by command: scans do not re-add
 
     async def poll(self, interval: float) -> None:
@@ -117,20 +127,18 @@ class RepositoryChanges:
             self._catalog.drop(key)  # a broken or unknown version: nothing to drain
             return
         self._catalog.unloading.add(key)
-        _logger.info(
-            "%s v%d is unloading: %d request(s) to finish", *key, self._machine.open_for(*key)
-        )
+        _logger.info("%s v%d is unloading: %d request(s) to finish", *key, self._open_for(key))
         self._changed()
 
     def finish_unloads(self) -> bool:
         """Drop every unloading version with no open request; True if any was dropped."""
         dropped = False
         for key in sorted(self._catalog.unloading):
-            if self._machine.open_for(*key):
+            if self._open_for(key):
                 continue
             instances = self._registry.remove_group(*key)
             self._catalog.drop(key)
-            self._machine.forget(*key)
+            self._forget(key)
             _logger.info("%s v%d unloaded; telling %d agent(s) to leave", *key, len(instances))
             for instance in instances:
                 verdict = RegistrationVerdict(
@@ -140,3 +148,23 @@ class RepositoryChanges:
             self._changed()
             dropped = True
         return dropped
+
+    def _open_for(self, key: GroupKey) -> int:
+        """Requests and sequences of a version still open, and its steps in flight."""
+        count = self._machine.open_for(*key)
+        if self._generation is not None:
+            state = self._generation.state
+            count += sum(1 for s in state.sequences.values() if s.key == key)
+            count += sum(1 for t in state.steps.values() if _group_key(t.group) == key)
+        return count
+
+    def _forget(self, key: GroupKey) -> None:
+        self._machine.forget(*key)
+        if self._generation is not None:
+            self._generation.forget(*key)
+        if self._texts is not None:
+            self._texts.forget(*key)
+
+
+def _group_key(group: GroupConfig) -> GroupKey:
+    return (group.servable, group.version)

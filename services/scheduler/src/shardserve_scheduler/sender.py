@@ -28,9 +28,12 @@ from shardserve_scheduler.core.actions import (
     Action,
     Cancel,
     Log,
+    PublishFree,
     PublishStageWork,
+    PublishStep,
     Reply,
     RunPython,
+    SendChunk,
 )
 
 _logger = logging.getLogger(__name__)
@@ -169,9 +172,13 @@ class ActionSender:
         except Exception as exc:  # the consumer died with the old connection anyway
             _logger.debug("could not cancel the request consumer: %s", exc)
 
-    async def _publish(self, action: PublishStageWork | Reply | Cancel) -> None:
+    async def _publish(
+        self, action: PublishStageWork | Reply | Cancel | PublishStep | PublishFree | SendChunk
+    ) -> None:
         broker = self._broker
-        if isinstance(action, PublishStageWork):
+        if isinstance(action, PublishStep | PublishFree | SendChunk):
+            await self._publish_generation(action)
+        elif isinstance(action, PublishStageWork):
             work = action.work
             await broker.publish(
                 topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
@@ -183,8 +190,30 @@ class ActionSender:
         else:
             await broker.publish(topology.CONTROL_EXCHANGE, action.routing_key, action.cancel)
 
+    async def _publish_generation(self, action: PublishStep | PublishFree | SendChunk) -> None:
+        """Steps and frees on the stage exchange like StageWork (one channel: one order);
+        a stream's chunks in order, its last one confirmed."""
+        broker = self._broker
+        if isinstance(action, PublishStep):
+            work = action.work
+            await broker.publish(
+                topology.STAGE_EXCHANGE, action.routing_key, work, deadline=work.deadline
+            )
+        elif isinstance(action, PublishFree):
+            await broker.publish(topology.STAGE_EXCHANGE, action.routing_key, action.free)
+        else:
+            chunk = action.chunk
+            await broker.publish(
+                "", action.reply_to, chunk, correlation_id=action.correlation_id, confirm=chunk.last
+            )
+
     def _publish_failed(self, action: Action, exc: InferenceError) -> None:
-        if isinstance(action, PublishStageWork):
+        if isinstance(action, PublishStep):
+            _logger.warning("could not publish step %s: %s", action.work.step, exc)
+            self._publish_failed_job(action.work.step, exc.message)
+        elif isinstance(action, PublishFree | SendChunk):
+            _logger.warning("could not publish a generation message: %s", exc)
+        elif isinstance(action, PublishStageWork):
             _logger.warning("could not publish job %s: %s", action.work.job, exc)
             self._publish_failed_job(action.work.job, exc.message)
         elif isinstance(action, Reply):

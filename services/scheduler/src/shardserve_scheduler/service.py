@@ -39,13 +39,15 @@ from concurrent.futures import ThreadPoolExecutor
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
-from shardserve.errors import ErrorCode, InferenceError
+from shardserve.errors import ErrorCode, InferenceError, UnavailableError
 from shardserve.process.lifecycle import request_id_var
 from shardserve.wire import topology
 from shardserve.wire.protocol import (
     AgentBye,
     AgentHeartbeat,
     AgentHello,
+    GenerateCancel,
+    GenerateRequest,
     InferRequest,
     InferRequestBundle,
     Message,
@@ -53,9 +55,15 @@ from shardserve.wire.protocol import (
     RepositoryCommand,
     SchedulerHello,
     StageResult,
+    StepResult,
 )
 from shardserve_scheduler.core.actions import Action, RunPython, bug_message, error_reply
 from shardserve_scheduler.core.catalog import Catalog, load_catalog, log_catalog
+from shardserve_scheduler.core.generation.machine import GenerationMachine
+from shardserve_scheduler.core.generation.resolve import resolve_generation
+from shardserve_scheduler.core.generation.sequences import Origin
+from shardserve_scheduler.core.generation.state import Limits
+from shardserve_scheduler.core.generation.texts import TextModels
 from shardserve_scheduler.core.pystages import run_python_task
 from shardserve_scheduler.core.registry import Registry
 from shardserve_scheduler.core.requests import RequestMachine
@@ -96,6 +104,18 @@ class SchedulerService:
             max_batch_size=settings.max_batch_size,
             batch_delay=settings.max_batch_delay_ms / 1000.0,
         )
+        self.generation = GenerationMachine(
+            self.registry,
+            result_to=topology.scheduler_result_queue(settings.scheduler_id).name,
+            id_prefix=uuid.uuid4().hex[:8],
+            limits=Limits(
+                max_running=settings.max_running_sequences,
+                max_waiting=settings.max_waiting_sequences,
+                max_prefill_tokens=settings.max_prefill_tokens,
+                step_timeout=settings.step_timeout_seconds,
+            ),
+        )
+        self.texts = TextModels(settings.repository)
         self._pool = ThreadPoolExecutor(settings.python_workers, thread_name_prefix="pystage")
         self._tasks: asyncio.TaskGroup | None = None
         self._python_runs: set[asyncio.Task[None]] = set()
@@ -126,6 +146,8 @@ class SchedulerService:
             self.machine,
             changed=self._status_changed.set,
             send_verdict=lambda verdict: self.sender.put(SendVerdict(verdict)),
+            generation=self.generation,
+            texts=self.texts,
         )
 
     @property
@@ -210,6 +232,7 @@ class SchedulerService:
         """Called by the leadership loop: this scheduler is no longer the active one."""
         _logger.warning("%s: stepping down; failing open requests", why)
         self._emit(self.machine.shutdown(f"{why}; request outcome unknown, retry", self.clock()))
+        self._emit(self.generation.shutdown(f"{why}; generation stopped, retry", self.clock()))
         consumer, self._request_consumer = self._request_consumer, ""
         if consumer:
             self.sender.put(CancelConsumer(consumer))
@@ -231,6 +254,7 @@ class SchedulerService:
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_seconds)
         self._closing = True
         self._emit(self.machine.shutdown(SHUTDOWN_MESSAGE, self.clock()))
+        self._emit(self.generation.shutdown(SHUTDOWN_MESSAGE, self.clock()))
 
     # ------------------------------------------------------------------ consumers
 
@@ -243,6 +267,16 @@ class SchedulerService:
                 actions += self._admit_one(item.request, reply_to, item.correlation_id)
         elif isinstance(message, InferRequest) and reply_to:
             actions = self._admit_one(message, reply_to, incoming.correlation_id or message.id)
+        elif isinstance(message, GenerateRequest) and reply_to:
+            origin = Origin(message, reply_to, incoming.correlation_id or message.id)
+            self._emit(self._generate(origin))
+            return
+        elif isinstance(message, GenerateCancel):
+            cancel = message
+            self._emit(
+                self.generation.on_cancel(cancel.reply_to, cancel.correlation_id, self.clock())
+            )
+            return
         else:
             await self._dead_letter_request(message, incoming)
             return
@@ -284,11 +318,30 @@ class SchedulerService:
             return [error_reply(request, reply_to, correlation_id, exc.code, exc.message)]
         return self.machine.admit(call, self.clock())
 
+    def _generate(self, origin: Origin) -> list[Action]:
+        """A GenerateRequest: resolved and tokenized here, then the generation machine's."""
+        token = request_id_var.set(origin.request.id)
+        try:
+            if self._closing:
+                raise UnavailableError(SHUTDOWN_MESSAGE)
+            target = resolve_generation(self.catalog, self.registry, self.texts, origin.request)
+            return self.generation.on_generate(origin, target, self.clock())
+        except InferenceError as exc:
+            self.refused_requests += 1
+            _logger.info("generation refused (%s): %s", exc.code.value, exc.message)
+            return self.generation.refuse(origin, exc)
+        except Exception as exc:  # a bug: this stream ends with it instead of hanging
+            _logger.exception("could not admit the generation")
+            error = InferenceError(bug_message("while admitting the generation", exc))
+            return self.generation.refuse(origin, error)
+        finally:
+            request_id_var.reset(token)
+
     async def _dead_letter_request(
         self, message: Message, incoming: AbstractIncomingMessage
     ) -> None:
         self.dead_lettered_requests += 1
-        is_request = isinstance(message, InferRequest | InferRequestBundle)
+        is_request = isinstance(message, InferRequest | InferRequestBundle | GenerateRequest)
         why = "it has no reply_to" if is_request else "it is not a request"
         _logger.warning(
             "dead-lettering a %s from the request queue: %s (%d so far)",
@@ -299,6 +352,9 @@ class SchedulerService:
         await incoming.reject(requeue=False)
 
     async def _on_result(self, message: Message, incoming: AbstractIncomingMessage) -> None:
+        if isinstance(message, StepResult):
+            self._emit(self.generation.on_step_result(message, self.clock()))
+            return
         if not isinstance(message, StageResult):
             _logger.warning("ignoring a %s on the result queue", message.kind)
             return
@@ -318,6 +374,9 @@ class SchedulerService:
                 _logger.info("%s", loss.message)
                 self._emit(
                     self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now)
+                )
+                self._emit(
+                    self.generation.on_rank_lost(loss.servable, loss.version, loss.message, now)
                 )
         elif isinstance(message, RepositoryCommand):
             await self.changes.on_command(message)
@@ -358,7 +417,7 @@ class SchedulerService:
     async def _tick_loop(self) -> None:
         while True:
             timeout = TICK_SECONDS
-            due = self.machine.next_wakeup()
+            due = _earliest(self.machine.next_wakeup(), self.generation.next_wakeup())
             if due is not None:
                 timeout = min(timeout, max(0.0, due - self.clock()))
             self._wake.clear()
@@ -371,10 +430,12 @@ class SchedulerService:
         for loss in self.registry.tick(now):
             _logger.warning("%s", loss.message)
             self._emit(self.machine.on_rank_lost(loss.servable, loss.version, loss.message, now))
+            self._emit(self.generation.on_rank_lost(loss.servable, loss.version, loss.message, now))
         for failure in self.registry.expired_waits(now):
             _logger.error("%s", failure)
             self._status_changed.set()
         self._emit(self.machine.tick(now))
+        self._emit(self.generation.on_tick(now))
         if self.changes.finish_unloads():
             self._readiness = self.registry.readiness()
         self._check_readiness()
@@ -406,6 +467,7 @@ class SchedulerService:
             self.registry,
             self.machine,
             self.clock(),
+            generation=self.generation,
             dead_lettered=dead,
             request_queue_depth=waiting,
         )
@@ -433,12 +495,15 @@ class SchedulerService:
             self.sender.put(action)
         if self.machine.next_wakeup() is not None:
             self._wake.set()
-        if self.machine.open_requests:
+        if self.machine.open_requests or self.generation.open_sequences:
             self._idle.clear()
         else:
             self._idle.set()
 
     def _publish_failed(self, job_id: str, message: str) -> None:
+        if self.generation.owns_step(job_id):
+            self._emit(self.generation.on_publish_failed(job_id, message, self.clock()))
+            return
         self._emit(self.machine.on_publish_failed(job_id, message, self.clock()))
 
     def _start_python(self, action: RunPython) -> None:
@@ -452,3 +517,7 @@ class SchedulerService:
         loop = asyncio.get_running_loop()
         outcomes = await loop.run_in_executor(self._pool, run_python_task, action.task)
         self._emit(self.machine.on_python_done(action.task.id, outcomes, self.clock()))
+
+
+def _earliest(*times: float | None) -> float | None:
+    return min((t for t in times if t is not None), default=None)

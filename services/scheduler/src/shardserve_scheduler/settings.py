@@ -114,6 +114,32 @@ class SchedulerSettings:
         choices=topology.REQUEST_QUEUE_TYPES,
         help=REQUEST_QUEUE_HELP,
     )
+    max_running_sequences: int = option(
+        "--max-running-sequences",
+        64,
+        parse=positive_int,
+        help="generation: sequences per servable version holding KV cache at once (default 64)",
+    )
+    max_waiting_sequences: int = option(
+        "--max-waiting-sequences",
+        256,
+        parse=non_negative_int,
+        help="generation: sequences per servable version waiting for KV cache room; beyond, "
+        "503 with Retry-After (default 256)",
+    )
+    max_prefill_tokens: int = option(
+        "--max-prefill-tokens",
+        512,
+        parse=positive_int,
+        help="generation: prompt tokens per step; longer prompts go in chunks (default 512)",
+    )
+    step_timeout_seconds: float = option(
+        "--step-timeout-seconds",
+        30.0,
+        parse=positive_float,
+        help="generation: a step not through every stage after this long fails its sequences "
+        "(default 30)",
+    )
     scheduler_id: str = field(default_factory=_scheduler_id)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 

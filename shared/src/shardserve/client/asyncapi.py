@@ -2,7 +2,8 @@
 
 ``build_asyncapi()`` returns the document as a dict; the message payload schemas come
 from the pydantic models (``InferRequest``, ``InferReply``, ``Tensor``, ``ErrorInfo``,
-``InstanceResult``) so the committed ``docs/asyncapi.yaml`` cannot drift from the code
+``InstanceResult``; for generation ``GenerateRequest``, ``GenerateCancel``,
+``GenerateChunk``) so the committed ``docs/asyncapi.yaml`` cannot drift from the code
 (a unit test compares them). Regenerate with::
 
     python -m shardserve.client.asyncapi docs/asyncapi.yaml
@@ -22,6 +23,9 @@ from shardserve.wire import topology
 from shardserve.wire.codec import CONTENT_TYPE
 from shardserve.wire.protocol import (
     SCHEMA_VERSION,
+    GenerateCancel,
+    GenerateChunk,
+    GenerateRequest,
     InferReply,
     InferReplyBundle,
     InferRequest,
@@ -79,6 +83,37 @@ REPLY_DESCRIPTION = (
 )
 
 
+GENERATE_DESCRIPTION = (
+    "Generate text with a text-generation servable (one exported by `shardserve export hf`). "
+    "Give exactly one of `prompt` (text, tokenized with the servable's tokenizer), "
+    "`prompt_ids` (token ids) or `messages` (a chat, rendered with the checkpoint's chat "
+    "template). Set the AMQP properties `reply_to` and `correlation_id` as for an "
+    "InferRequest: the answer is a stream of GenerateChunk messages to `reply_to`, each "
+    "with your `correlation_id`, numbered by `seq` from 0; the last one has "
+    "`finish_reason` and `usage`, or `error`. A request refused up front (unknown "
+    "servable, prompt too long for the context or the KV cache: `bad_input`; waiting "
+    "queue full: `overloaded` with `retry_after_s`) is a stream of one chunk with "
+    "`error`. Past `deadline` the stream ends with `deadline_exceeded`."
+)
+
+CANCEL_DESCRIPTION = (
+    "Stop a running generation: name its `reply_to` queue and `correlation_id`. Publish "
+    "it like the request (same exchange, same routing key) so it cannot overtake it. The "
+    "sequence leaves the mesh within one step, its KV cache is freed on every rank, and "
+    "its stream ends with a chunk whose `error.code` is `cancelled`. A cancel of a "
+    "generation that already ended is ignored."
+)
+
+CHUNK_DESCRIPTION = (
+    "One message of a generation's stream. `seq` counts from 0 with no gap (a gap or a "
+    "repeat means a lost or duplicated message). `token_ids` are the new tokens and "
+    "`text` their text (it may be empty while the bytes of a character or a possible "
+    "stop string are held back; the texts joined are the whole text). Exactly one chunk "
+    "is last: it has `finish_reason` (`stop`: an EOS, stop token or stop string; "
+    "`length`: `max_tokens` or the model's context) and `usage`, or `error`."
+)
+
+
 def build_asyncapi() -> dict[str, Any]:
     """Return the AsyncAPI 2.6 document of the public queue-level API."""
     return {
@@ -112,9 +147,12 @@ def _info() -> dict[str, Any]:
         "description": (
             "Publish an InferRequest to the topic exchange `shardserve.requests` with "
             "routing key = servable name; the scheduler answers one InferReply to your "
-            "`reply_to` queue with your `correlation_id`. Bodies are msgpack maps (bytes "
-            f"as bin, never ext types). Every message carries `v` = {SCHEMA_VERSION} (the "
-            "schema version) and a `kind`. A body that does not decode to a valid message "
+            "`reply_to` queue with your `correlation_id`. A GenerateRequest (text "
+            "generation) is published the same way and answered with a stream of "
+            "GenerateChunk messages numbered from 0; a GenerateCancel stops it. Bodies "
+            "are msgpack maps (bytes as bin, never ext types). Every message carries "
+            f"`v` = {SCHEMA_VERSION} (the schema version) and a `kind`. A body that does not "
+            "decode to a valid message "
             "(bad msgpack, wrong `v`, unknown or missing fields) is dead-lettered to "
             "`shardserve.dead` WITHOUT a reply; a valid request whose inputs do not fit the "
             "method gets a `bad_input` reply (the same checks as the HTTP gateway). See "
@@ -165,11 +203,14 @@ def _request_channel() -> dict[str, Any]:
         "publish": {
             "operationId": "sendInferRequest",
             "summary": "Ask a servable's method to run on some instances (several requests "
-            "may travel as one InferRequestBundle).",
+            "may travel as one InferRequestBundle), or a text-generation servable to "
+            "generate (GenerateRequest; GenerateCancel stops it).",
             "message": {
                 "oneOf": [
                     {"$ref": "#/components/messages/InferRequest"},
                     {"$ref": "#/components/messages/InferRequestBundle"},
+                    {"$ref": "#/components/messages/GenerateRequest"},
+                    {"$ref": "#/components/messages/GenerateCancel"},
                 ]
             },
             "bindings": {
@@ -209,12 +250,15 @@ def _reply_channel() -> dict[str, Any]:
         },
         "subscribe": {
             "operationId": "receiveInferReply",
-            "summary": "Exactly one reply per request; a queue that sent an "
-            "InferRequestBundle may get several replies in one InferReplyBundle.",
+            "summary": "Exactly one reply per InferRequest; a queue that sent an "
+            "InferRequestBundle may get several replies in one InferReplyBundle. A "
+            "GenerateRequest gets GenerateChunks numbered from 0, the last one with "
+            "finish_reason and usage, or error.",
             "message": {
                 "oneOf": [
                     {"$ref": "#/components/messages/InferReply"},
                     {"$ref": "#/components/messages/InferReplyBundle"},
+                    {"$ref": "#/components/messages/GenerateChunk"},
                 ]
             },
         },
@@ -247,16 +291,40 @@ def _messages() -> dict[str, Any]:
                 "Several InferReplies in one message, each with its request's correlation "
                 "id; sent only to reply queues that have sent an InferRequestBundle.",
             ),
+            ("GenerateRequest", "generate.request", "Generate text from a prompt."),
+            (
+                "GenerateCancel",
+                "generate.cancel",
+                "Stop a generation (named in the body; the message's own correlation id "
+                "is not used).",
+            ),
+            (
+                "GenerateChunk",
+                "generate.chunk",
+                "One numbered message of a generation's stream.",
+            ),
         )
     }
 
 
 def _schemas() -> dict[str, Any]:
-    models = (InferRequest, InferReply, InferRequestBundle, InferReplyBundle)
+    models = (
+        InferRequest,
+        InferReply,
+        InferRequestBundle,
+        InferReplyBundle,
+        GenerateRequest,
+        GenerateCancel,
+        GenerateChunk,
+    )
     _, top = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas: dict[str, Any] = top["$defs"]
     schemas["InferRequest"]["description"] = REQUEST_DESCRIPTION
     schemas["InferReply"]["description"] = REPLY_DESCRIPTION
+    schemas["GenerateRequest"]["description"] = GENERATE_DESCRIPTION
+    schemas["GenerateCancel"]["description"] = CANCEL_DESCRIPTION
+    schemas["GenerateChunk"]["description"] = CHUNK_DESCRIPTION
+    _describe_generate_fields(schemas["GenerateRequest"]["properties"])
     _describe_request_fields(schemas["InferRequest"]["properties"])
     _describe_tensor(schemas["Tensor"])
     schemas["ErrorCode"]["description"] = _error_code_description()
@@ -270,6 +338,18 @@ def _describe_request_fields(properties: dict[str, Any]) -> None:
     properties["version"]["description"] = "Servable version; 0 = the highest ready one."
     properties["method"]["description"] = "The servable method to run."
     properties["outputs"]["description"] = "Names of the outputs wanted; null = all."
+    properties["deadline"]["description"] = "Absolute deadline, unix time in seconds."
+
+
+def _describe_generate_fields(properties: dict[str, Any]) -> None:
+    properties["v"]["description"] = "Schema version; must be 1."
+    properties["id"]["description"] = "Your label for the request, echoed in every chunk."
+    properties["servable"]["description"] = "The servable's name (also the routing key)."
+    properties["version"]["description"] = "Servable version; 0 = the highest ready one."
+    properties["prompt"]["description"] = "Prompt text (tokenized with special tokens, e.g. BOS)."
+    properties["prompt_ids"]["description"] = "Prompt token ids, used as they are."
+    properties["messages"]["description"] = "A chat, rendered with the chat template."
+    properties["sampling"]["description"] = "How tokens are chosen and when to stop."
     properties["deadline"]["description"] = "Absolute deadline, unix time in seconds."
 
 

@@ -33,6 +33,7 @@ from shardserve.repo.repository import (
     sha256_file,
     write_group,
 )
+from shardserve.servable import GENERATION_TASK
 from shardserve.tools.onnx_graph import (
     IR_VERSION,
     OPSET,
@@ -232,7 +233,11 @@ def write_rank(
 
 
 def servable_config_text(plan: ExportPlan) -> str:
-    """servable_config.py in MindSpore Serving's distributed shape, for this plan."""
+    """servable_config.py in MindSpore Serving's distributed shape, for this plan: a
+    ``predict`` method over the model, or (group.json origin task "text-generation") a
+    text-generation declaration without methods."""
+    if plan.origin.get("task") == GENERATION_TASK:
+        return _generation_config_text(plan)
     args = ", ".join(s.name for s in plan.inputs)
     outs = ", ".join(s.name for s in plan.outputs)
     names = ", ".join(f'"{s.name}"' for s in plan.outputs)
@@ -246,6 +251,21 @@ def servable_config_text(plan: ExportPlan) -> str:
         f"def {plan.method}({args}):\n"
         f"    {outs} = add_stage(model, {args}, outputs_count={len(plan.outputs)})\n"
         f"    return {outs}\n"
+    )
+
+
+def _generation_config_text(plan: ExportPlan) -> str:
+    # No predict method: it would get one step's packed rows and no KV cache, so it could
+    # not answer anything useful; generate requests are the way in.
+    return (
+        f'"""Servable {plan.servable}: text generation, written by shardserve.tools.export\n'
+        "(rewritten by every export of this servable).\n\n"
+        "Called with generate requests, not methods: /v1/completions, /v1/chat/completions,\n"
+        f"/v2/models/{plan.servable}/generate, Client.generate, a GenerateRequest on the queue\n"
+        '(see docs/generation.md).\n"""\n\n'
+        "from shardserve.servable import declare_servable\n\n"
+        f"model = declare_servable(rank_size={plan.rank_size}, stage_size={plan.stage_size}, "
+        "generation=True)\n"
     )
 
 

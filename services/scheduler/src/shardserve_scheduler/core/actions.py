@@ -11,7 +11,16 @@ from dataclasses import dataclass
 
 from shardserve.errors import ErrorCode
 from shardserve.wire import topology
-from shardserve.wire.protocol import ErrorInfo, InferReply, InferRequest, JobCancel, StageWork
+from shardserve.wire.protocol import (
+    ErrorInfo,
+    GenerateChunk,
+    InferReply,
+    InferRequest,
+    JobCancel,
+    SequencesFree,
+    StageWork,
+    StepWork,
+)
 from shardserve_scheduler.core.pystages import PythonTask
 
 
@@ -54,13 +63,46 @@ class RunPython:
 
 
 @dataclass(frozen=True)
+class PublishStep:
+    """One generation step for one stage; sent like StageWork (same key, same channel), so
+    every rank of the stage sees steps and jobs in one order."""
+
+    work: StepWork
+
+    @property
+    def routing_key(self) -> str:
+        return topology.stage_key(self.work.servable, self.work.version, self.work.stage)
+
+
+@dataclass(frozen=True)
+class PublishFree:
+    """Ranks of one stage free sequences' KV caches; keeps its place among the steps."""
+
+    free: SequencesFree
+
+    @property
+    def routing_key(self) -> str:
+        return topology.stage_key(self.free.servable, self.free.version, self.free.stage)
+
+
+@dataclass(frozen=True)
+class SendChunk:
+    """One chunk of a generation's stream, to its reply_to; the last one is confirmed
+    (a stream that loses its end would wait for it until its deadline)."""
+
+    reply_to: str
+    correlation_id: str
+    chunk: GenerateChunk
+
+
+@dataclass(frozen=True)
 class Log:
     level: int
     message: str
     request_id: str = "-"
 
 
-Action = PublishStageWork | Reply | Cancel | RunPython | Log
+Action = PublishStageWork | Reply | Cancel | RunPython | Log | PublishStep | PublishFree | SendChunk
 
 
 def error_reply(

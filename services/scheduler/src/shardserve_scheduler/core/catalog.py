@@ -9,6 +9,12 @@ A method chains stages (see ``methods``): the distributed model and Python funct
 pre- and post-processing; it maps its own input/output names onto the model's by
 position, as MindSpore's ``add_stage(model, x, ...)`` does.
 
+A text-generation servable is marked twice, both written by ``shardserve export hf``:
+group.json ``origin["task"] == "text-generation"`` (what the agents and the generation
+machine read) and ``declare_servable(..., generation=True)`` in servable_config.py (no
+methods). A config that says otherwise than its group.json makes the version unavailable,
+with both named; a generation version without a config is served as generation.
+
 The repository may change while the scheduler runs (``rescan``): a new version folder is
 loaded (its servable's config is read again for it), a version whose group.json was
 broken is retried, and a version folder that disappeared is reported as removed.
@@ -28,6 +34,7 @@ from shardserve.repo.repository import (
     load_group,
 )
 from shardserve.servable import (
+    GENERATION_TASK,
     ServableDefinition,
     load_servable_config,
 )
@@ -38,7 +45,15 @@ from shardserve_scheduler.core.methods import (
     plan_method,
 )
 
-__all__ = ["Catalog", "MethodPlan", "ServableEntry", "VersionEntry", "default_method"]
+__all__ = [
+    "GENERATION_TASK",
+    "Catalog",
+    "MethodPlan",
+    "ServableEntry",
+    "VersionEntry",
+    "default_method",
+    "is_generation",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -51,6 +66,15 @@ class VersionEntry:
     methods: dict[str, MethodPlan] = field(default_factory=dict)
     unsupported: dict[str, str] = field(default_factory=dict)
     problem: str = ""
+
+    @property
+    def generation(self) -> bool:
+        """A text-generation servable: GenerateRequests, sequences stepped over the mesh."""
+        return is_generation(self.group)
+
+
+def is_generation(group: GroupConfig) -> bool:
+    return group.origin.get("task") == GENERATION_TASK
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,8 @@ def log_catalog(catalog: Catalog) -> None:
         for version, entry in sorted(servable.versions.items()):
             group = entry.group
             methods = ", ".join(sorted(entry.methods)) or "none"
+            if entry.generation:
+                methods = "none (text generation: generate requests)"
             _logger.info(
                 "%s v%d: rank_size %d, stage_size %d, methods: %s",
                 servable.name,
@@ -151,10 +177,13 @@ def load_definition(path: Path) -> tuple[ServableDefinition | None, str]:
 
 
 def build_version(group: GroupConfig, definition: ServableDefinition | None) -> VersionEntry:
-    """The methods of one version: the default ``predict``, or the config's methods."""
+    """The methods of one version: the default ``predict``, or the config's methods; none
+    for a text-generation version (it serves GenerateRequests)."""
     if definition is None:
+        if is_generation(group):
+            return VersionEntry(group)
         return VersionEntry(group, {DEFAULT_METHOD: default_method(group)})
-    problem = _model_mismatch(group, definition)
+    problem = _model_mismatch(group, definition) or _generation_mismatch(group, definition)
     if problem:
         _logger.error("%s", problem)
         return VersionEntry(group, problem=problem)
@@ -185,4 +214,25 @@ def _model_mismatch(group: GroupConfig, definition: ServableDefinition) -> str:
         f"{definition.path} declares rank_size {model.rank_size}, stage_size {model.stage_size}; "
         f"group.json of {group.servable} v{group.version} has rank_size {group.rank_size}, "
         f"stage_size {group.stage_size}"
+    )
+
+
+def _generation_mismatch(group: GroupConfig, definition: ServableDefinition) -> str:
+    """The config and group.json must agree on whether this is a text-generation servable."""
+    marked = is_generation(group)
+    if definition.generation == marked:
+        return ""
+    task = group.origin.get("task")
+    found = f'origin task "{task}"' if task else "no origin task"
+    if marked:
+        return (
+            f"{definition.path} declares a servable with methods, but group.json of "
+            f"{group.servable} v{group.version} marks a text-generation servable "
+            f'(origin task "{GENERATION_TASK}"): declare_servable(..., generation=True) and '
+            "no methods, as `shardserve export hf` writes it (re-export to rewrite it)"
+        )
+    return (
+        f"{definition.path} declares a text-generation servable (generation=True), but "
+        f"group.json of {group.servable} v{group.version} has {found}, not "
+        f'"{GENERATION_TASK}": it was not exported by `shardserve export hf`'
     )

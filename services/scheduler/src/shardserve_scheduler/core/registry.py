@@ -43,6 +43,11 @@ class RankSlot:
     jobs_done: int = 0
     compute_ms_total: float = 0.0
     collective_ms_total: float = 0.0
+    # generation servables: the rank's KV cache budget, use and cost of one token
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    sequences: int = 0
 
     @property
     def live(self) -> bool:
@@ -64,6 +69,10 @@ class RankSlot:
         self.jobs_done = msg.jobs_done
         self.compute_ms_total = msg.compute_ms_total
         self.collective_ms_total = msg.collective_ms_total
+        self.kv_capacity_bytes = msg.kv_capacity_bytes
+        self.kv_used_bytes = msg.kv_used_bytes
+        self.kv_bytes_per_token = msg.kv_bytes_per_token
+        self.sequences = msg.sequences
 
     def status(self, now: float) -> RankStatus:
         age = None if self.last_seen is None else round(max(0.0, now - self.last_seen), 3)
@@ -82,6 +91,9 @@ class RankSlot:
             jobs_done=self.jobs_done,
             compute_ms_total=self.compute_ms_total,
             collective_ms_total=self.collective_ms_total,
+            kv_capacity_bytes=self.kv_capacity_bytes,
+            kv_used_bytes=self.kv_used_bytes,
+            sequences=self.sequences,
         )
 
 

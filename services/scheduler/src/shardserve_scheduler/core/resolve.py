@@ -81,6 +81,11 @@ def _pick_method(servable: str, entry: VersionEntry, method: str) -> MethodPlan:
     plan = entry.methods.get(method)
     if plan is not None:
         return plan
+    if entry.generation:
+        raise BadInputError(
+            f"servable {servable} is a text-generation servable: use /v1/completions, "
+            f"/v1/chat/completions or /v2/models/{servable}/generate"
+        )
     if method in entry.unsupported:
         raise UnavailableError(
             f"method {method!r} of servable {servable} is unavailable: {entry.unsupported[method]}"

@@ -7,6 +7,7 @@ from typing import Literal, Protocol
 
 from shardserve.wire.protocol import MeshStatus, MethodStatus, ServableStatus
 from shardserve_scheduler.core.catalog import Catalog, ServableEntry, VersionEntry
+from shardserve_scheduler.core.generation.lanes import GenerationStats
 from shardserve_scheduler.core.jobs import VersionStats
 from shardserve_scheduler.core.registry import GroupState, Registry
 
@@ -21,6 +22,14 @@ class LoadView(Protocol):
     def version_stats(self, servable: str, version: int) -> VersionStats: ...
 
 
+class GenerationView(Protocol):
+    """What the status needs from the generation machine."""
+
+    def running(self, servable: str, version: int) -> int: ...
+    def waiting(self, servable: str, version: int) -> int: ...
+    def stats(self, servable: str, version: int) -> GenerationStats: ...
+
+
 def mesh_status(
     scheduler: str,
     catalog: Catalog,
@@ -28,11 +37,12 @@ def mesh_status(
     load: LoadView,
     now: float,
     *,
+    generation: GenerationView | None = None,
     dead_lettered: int = 0,
     request_queue_depth: int = 0,
 ) -> MeshStatus:
     servables = [
-        _version_status(servable, entry, catalog, registry, load, now)
+        _with_generation(_version_status(servable, entry, catalog, registry, load, now), generation)
         for servable in catalog.servables.values()
         for _, entry in sorted(servable.versions.items())
     ]
@@ -89,6 +99,25 @@ def _version_status(
         batches_total=stats.batches_total,
         batched_instances_total=stats.batched_instances_total,
         state=_state(problem, unloading, ready, group),
+        generation=entry.generation,
+    )
+
+
+def _with_generation(status: ServableStatus, view: GenerationView | None) -> ServableStatus:
+    """A text-generation version's sequences and token totals."""
+    if view is None or not status.generation:
+        return status
+    name, version = status.name, status.version
+    stats = view.stats(name, version)
+    return status.model_copy(
+        update={
+            "running_sequences": view.running(name, version),
+            "waiting_sequences": view.waiting(name, version),
+            "prompt_tokens_total": stats.prompt_tokens_total,
+            "generated_tokens_total": stats.generated_tokens_total,
+            "requests_total": status.requests_total + stats.requests_total,
+            "errors_total": status.errors_total + stats.errors_total,
+        }
     )
 
 

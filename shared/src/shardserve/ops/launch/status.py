@@ -12,6 +12,7 @@ from typing import Any
 
 from shardserve.ops.launch.plan import GroupKey
 from shardserve.repo.repository import GroupConfig
+from shardserve.servable import GENERATION_TASK
 
 Status = dict[str, Any]
 
@@ -152,13 +153,23 @@ async def watch_progress(
             _print_changed(progress_lines(status, expected), shown)
             ready = bool(expected) and all_ready(status, expected)
             if ready and not announced:
-                targets = sorted({g.servable for g in expected})
-                urls = ", ".join(f"POST {base_url}/v2/models/{name}/infer" for name in targets)
+                urls = ", ".join(_entry_point(base_url, g) for g in _one_per_servable(expected))
                 print(f"all groups ready: {urls}", flush=True)
             elif announced and not ready:
                 print("not every group is ready any more (see above)", flush=True)
             announced = ready
         await asyncio.sleep(interval)
+
+
+def _one_per_servable(groups: list[GroupConfig]) -> list[GroupConfig]:
+    return list({g.servable: g for g in sorted(groups, key=lambda g: g.servable)}.values())
+
+
+def _entry_point(base_url: str, group: GroupConfig) -> str:
+    """Where to send requests: completions for a text-generation servable, else infer."""
+    if group.origin.get("task") == GENERATION_TASK:
+        return f"POST {base_url}/v1/completions (model {group.servable!r})"
+    return f"POST {base_url}/v2/models/{group.servable}/infer"
 
 
 def _print_changed(lines: dict[str, str], shown: dict[str, str]) -> None:

@@ -1,0 +1,77 @@
+"""From a GenerateRequest to a Target: the version to run it on and its prompt ids.
+
+Version 0 means the highest ready version, as for InferRequests (same rules, same
+messages); the version must be a text-generation servable and its group ready. The prompt
+is tokenized here (text), rendered with the chat template and tokenized (messages), or
+checked against the vocabulary (ids). Every refusal is an InferenceError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from shardserve.errors import BadInputError, NotFoundError, RepositoryError, UnavailableError
+from shardserve.repo.repository import GroupConfig
+from shardserve.text.tokenizer import TextModel
+from shardserve.wire.protocol import GenerateRequest
+from shardserve_scheduler.core.catalog import Catalog
+from shardserve_scheduler.core.registry import Registry
+from shardserve_scheduler.core.resolve import _check_group_ready, _pick_version
+
+TextLoader = Callable[[GroupConfig], TextModel]
+
+
+@dataclass(frozen=True)
+class Target:
+    group: GroupConfig
+    text: TextModel
+    prompt: tuple[int, ...]
+    max_positions: int
+
+
+def resolve_generation(
+    catalog: Catalog, registry: Registry, texts: TextLoader, request: GenerateRequest
+) -> Target:
+    """Resolve and tokenize a request, or raise the InferenceError that answers it."""
+    servable = catalog.servables.get(request.servable)
+    if servable is None:
+        known = ", ".join(sorted(catalog.servables)) or "none"
+        raise NotFoundError(f"servable {request.servable!r} not found; servables: {known}")
+    if servable.problem:
+        raise UnavailableError(f"servable {servable.name} is unavailable: {servable.problem}")
+    entry = _pick_version(catalog, servable, registry, request.version)
+    if not entry.generation:
+        raise BadInputError(
+            f"servable {servable.name} version {entry.group.version} is not a text-generation "
+            "servable; call its methods with an inference request"
+        )
+    _check_group_ready(registry, entry)
+    try:
+        text = texts(entry.group)
+    except RepositoryError as exc:
+        raise UnavailableError(f"servable {servable.name} has no usable tokenizer: {exc}") from exc
+    return Target(entry.group, text, prompt_ids(text, request), _max_positions(entry.group))
+
+
+def prompt_ids(text: TextModel, request: GenerateRequest) -> tuple[int, ...]:
+    if request.prompt_ids is not None:
+        text.check_ids(request.prompt_ids)
+        return tuple(request.prompt_ids)
+    if request.messages is not None:
+        messages = [message.model_dump() for message in request.messages]
+        ids = text.encode_chat(messages)
+    else:
+        ids = text.encode(request.prompt or "")
+    if not ids:
+        raise BadInputError("the prompt is empty: it gives no tokens")
+    return tuple(ids)
+
+
+def _max_positions(group: GroupConfig) -> int:
+    value = group.origin.get("max_positions")
+    if not isinstance(value, int) or value < 1:
+        raise UnavailableError(
+            f"{group.servable} v{group.version}: group.json origin has no max_positions"
+        )
+    return value

@@ -1,0 +1,123 @@
+"""Cancel, deadline, rank loss, step errors and timeouts: every stream ends with exactly one
+last chunk, KV room comes back, other sequences go on."""
+
+from __future__ import annotations
+
+from test_generation_kit import Bench, request
+
+from shardserve.errors import ErrorCode
+from shardserve.wire.protocol import ErrorInfo
+from shardserve_scheduler.core.generation.state import Limits
+
+
+def test_cancel_within_one_step_frees_in_the_next_step() -> None:
+    bench = Bench()
+    bench.generate("a", request("a", max_tokens=50))
+    bench.generate("b", request("b", max_tokens=50))
+    bench.run_step()
+    bench.take(bench.machine.on_cancel("reply.q", "a", bench.now))
+    last = bench.last("a")
+    assert last.error is not None and last.error.code == ErrorCode.CANCELLED
+    count = len(bench.chunks["a"])
+    bench.run_step()  # the step in flight still had a: its token is dropped
+    assert len(bench.chunks["a"]) == count
+    assert bench.steps[-1].free == (1,)
+    assert [s.seq for s in bench.steps[-1].layout] == [2]
+
+
+def test_cancel_of_a_lone_sequence_frees_with_a_sequences_free() -> None:
+    bench = Bench(stage_size=2)
+    bench.generate("a", request("a", max_tokens=50))
+    bench.take(bench.machine.on_cancel("reply.q", "a", bench.now))
+    assert bench.frees == []  # its step is still in flight: the free would overtake it
+    bench.run_until_idle()
+    assert sorted((f.free.stage, f.free.seqs) for f in bench.frees) == [(0, (1,)), (1, (1,))]
+    assert bench.machine.running("llama", 1) == 0
+
+
+def test_cancel_unknown_is_harmless() -> None:
+    bench = Bench()
+    assert bench.take(bench.machine.on_cancel("reply.q", "nobody", 0.0))
+    assert bench.chunks == {}
+
+
+def test_deadline_ends_running_and_waiting_sequences() -> None:
+    bench = Bench(limits=Limits(max_running=1))
+    bench.generate("a", request("a", max_tokens=50, deadline=5.0))
+    bench.generate("b", request("b", max_tokens=50, deadline=5.0))
+    bench.run_step()
+    assert bench.machine.next_wakeup() == 5.0
+    bench.take(bench.machine.on_tick(5.0))
+    for name in "ab":
+        last = bench.last(name)
+        assert last.error is not None and last.error.code == ErrorCode.DEADLINE
+    bench.run_until_idle()
+    assert bench.machine.open_sequences == 0 and bench.machine.running("llama", 1) == 0
+
+
+def test_rank_lost_ends_every_sequence_of_the_group_and_frees_live_ranks() -> None:
+    bench = Bench(stage_size=2, kv_tokens=20)
+    bench.generate("a", request("a", max_tokens=12))
+    bench.generate("b", request("b", max_tokens=12))  # waits for room
+    bench.run_step()
+    bench.take(bench.machine.on_rank_lost("llama", 1, "llama v1 lost rank 3 (no heartbeat)", 1.0))
+    for name in "ab":
+        last = bench.last(name)
+        assert last.error is not None and last.error.code == ErrorCode.RANK_LOST
+        assert "rank 3" in last.error.message
+    assert sorted((f.free.stage, f.free.seqs) for f in bench.frees) == [(0, (1,)), (1, (1,))]
+    for work in list(bench.pending):  # late results of the dropped step are ignored
+        bench.answer(work)
+    assert len(bench.chunks["a"]) == 1
+    bench.generate("c", request("c", max_tokens=12))  # the group healed: new ones run
+    bench.run_until_idle()
+    assert bench.last("c").finish_reason == "length"
+
+
+def test_a_rank_error_fails_the_steps_sequences_and_frees_everywhere() -> None:
+    bench = Bench(stage_size=2)
+    bench.generate("a", request("a", max_tokens=5))
+    bench.run_step()
+    bench.answer(bench.pending[0], ErrorInfo(code=ErrorCode.INTERNAL, message="boom"))
+    last = bench.last("a")
+    assert last.error is not None and "boom" in last.error.message
+    assert "rank 2 failed stage 1" in last.error.message
+    assert sorted(f.free.stage for f in bench.frees) == [0, 1]
+    assert bench.machine.running("llama", 1) == 0
+
+
+def test_step_timeout_fails_the_step_and_names_the_silent_ranks() -> None:
+    bench = Bench(limits=Limits(step_timeout=2.0))
+    bench.generate("a", request("a", max_tokens=5))
+    bench.take(bench.machine.on_tick(2.0))
+    last = bench.last("a")
+    assert last.error is not None and last.error.code == ErrorCode.STAGE_FAILED
+    assert "ranks not answered: 0, 1" in last.error.message
+
+
+def test_digest_disagreement_fails_the_step() -> None:
+    bench = Bench(stage_size=2)
+    bench.generate("a", request("a", max_tokens=5))
+    work = bench.pending.pop(0)
+    good = bench.result(work, 0, None)
+    bad = bench.result(work, 1, None)
+    assert good is not None and bad is not None
+    bench.take(bench.machine.on_step_result(good, 0.0))
+    bench.take(bench.machine.on_step_result(bad.model_copy(update={"digest": "x"}), 0.0))
+    last = bench.last("a")
+    assert last.error is not None and last.error.code == ErrorCode.RANK_MISMATCH
+
+
+def test_final_gather_stage_needs_only_the_leader() -> None:
+    bench = Bench(final_gather=True)
+    bench.generate("a", request("a", max_tokens=2))
+    bench.run_until_idle()
+    assert bench.last("a").finish_reason == "length"
+
+
+def test_shutdown_ends_every_open_stream() -> None:
+    bench = Bench()
+    bench.generate("a", request("a", max_tokens=5))
+    bench.take(bench.machine.shutdown("scheduler shutting down", 0.0))
+    last = bench.last("a")
+    assert last.error is not None and last.error.code == ErrorCode.UNAVAILABLE
