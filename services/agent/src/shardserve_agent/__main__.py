@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     service = AgentService(settings, loaded, make_kv_cache(settings, loaded))
     try:
         code = run_service(service.run)
+    except ShardserveError as exc:  # e.g. no broker within SHARDSERVE_AMQP_CONNECT_WAIT
+        _logger.error("agent %s failed: %s", service.instance, exc)
+        return EXIT_FATAL
     except Exception:
         _logger.exception("agent %s failed", service.instance)
         return EXIT_FATAL

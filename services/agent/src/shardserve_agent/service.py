@@ -97,7 +97,9 @@ class AgentService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """The service's life; ``stop`` is set by SIGTERM/SIGINT (or a refusal)."""
-        await self._broker.connect()
+        # Waits for the broker (an agent may start first); a SIGTERM meanwhile stops.
+        if not await self._broker.connect_unless_stopped(stop):
+            return
         try:
             await self._serve(stop)
         finally:

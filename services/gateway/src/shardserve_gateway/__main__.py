@@ -1,5 +1,8 @@
 """``python -m shardserve_gateway``: serve HTTP until SIGTERM/SIGINT, then drain and stop.
 
+Start: HTTP is served at once, the broker connection waits for a broker in the background
+(readiness 503 "broker not connected yet" meanwhile; see ``app.BrokerStartup``).
+
 Shutdown: readiness turns 503 and new inference requests get 503 at once; requests in
 flight get up to ``--drain-seconds`` to finish; then the site stops and the owned
 resources close in reverse order (reply consumer, status consumer, broker).
@@ -16,7 +19,7 @@ from aiohttp import web
 
 from shardserve.errors import ShardserveError
 from shardserve.process.lifecycle import run_service, setup_logging
-from shardserve_gateway.app import create_app
+from shardserve_gateway.app import BROKER_STARTUP_KEY, create_app
 from shardserve_gateway.settings import GatewaySettings, build_parser
 from shardserve_gateway.state import INFLIGHT_KEY, MESH_VIEW_KEY
 
@@ -61,11 +64,28 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
         _logger.info(
             "gateway %s listening on %s:%d", settings.gateway_id, settings.host, settings.http_port
         )
-        await stop.wait()
+        failure = await _until_stopped(app, stop)
         await drain(app, settings.drain_seconds)
     finally:
         await runner.cleanup()
+    if failure is not None:
+        raise failure
     _logger.info("gateway stopped")
+
+
+async def _until_stopped(app: web.Application, stop: asyncio.Event) -> BaseException | None:
+    """Wait for SIGTERM/SIGINT. A broker start-up that failed (it gave up waiting for the
+    broker) ends the wait too: returned, to be raised once the gateway is torn down."""
+    startup = app.get(BROKER_STARTUP_KEY)
+    if startup is None:
+        await stop.wait()
+        return None
+    stopping = asyncio.ensure_future(stop.wait())
+    failing = asyncio.ensure_future(startup.failure())
+    await asyncio.wait((stopping, failing), return_when=asyncio.FIRST_COMPLETED)
+    for waiting in (stopping, failing):
+        waiting.cancel()
+    return failing.result() if failing.done() and not failing.cancelled() else None
 
 
 async def _await_mesh_status(app: web.Application, settings: GatewaySettings) -> None:

@@ -1,9 +1,11 @@
 """The gateway application: routes, middlewares, and what it owns, in start order.
 
-``create_app`` reads like a table of contents. Owned resources are ``cleanup_ctx``
-entries, started in order and torn down in reverse: broker connection -> status
-consumer (mesh view) -> reply consumer (dispatcher). Unit tests pass their own
-dispatcher and mesh view; then no broker is opened at all.
+``create_app`` reads like a table of contents. What it owns on the broker is started
+in the background by ``BrokerStartup`` (a ``cleanup_ctx`` entry), in order and torn down
+in reverse: broker connection -> status consumer (mesh view) -> reply consumer
+(dispatcher). HTTP is served meanwhile, so a gateway started before its broker is live
+and answers 503 "broker not connected yet" until it is connected. Unit tests pass their
+own dispatcher and mesh view; then no broker is opened at all.
 
 Routes: KServe v2 (``kserve``), its model repository extension (``repository``),
 MindSpore REST (``mindspore``), the status page, ``/api/status``,
@@ -14,7 +16,9 @@ OpenAI-compatible ``/v1/...``; ``generate``: Triton's generate extension), and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import logging
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -46,7 +50,7 @@ from shardserve_gateway.state import (
 from shardserve_gateway.timeseries import TimeSeries
 
 BROKER_KEY = web.AppKey("broker", Broker)
-CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
+_logger = logging.getLogger(__name__)
 
 
 def create_app(
@@ -71,7 +75,8 @@ def create_app(
         amqp.streams.watch_status(app[MESH_VIEW_KEY].fresh)
         app[BROKER_KEY] = broker
         app[DISPATCHER_KEY] = amqp
-        app.cleanup_ctx.extend([_broker_ctx, _status_consumer_ctx, _reply_consumer_ctx_for(amqp)])
+        app[BROKER_STARTUP_KEY] = BrokerStartup(broker, amqp, app[MESH_VIEW_KEY])
+        app.cleanup_ctx.append(_broker_ctx)
     else:
         app[DISPATCHER_KEY] = dispatcher
     kserve.add_routes(app)
@@ -84,23 +89,57 @@ def create_app(
     return app
 
 
+class BrokerStartup:
+    """The gateway's way onto the broker, in the background: HTTP is served at once (live
+    200; ready and every inference route 503 "broker not connected yet") while the broker
+    connection waits for a broker; then the status and reply consumers start."""
+
+    def __init__(self, broker: Broker, dispatcher: AmqpDispatcher, view: MeshView) -> None:
+        self._broker = broker
+        self._dispatcher = dispatcher
+        self._view = view
+        self._dispatcher_started = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self, owner: str) -> None:
+        self._view.waiting_for_broker = True
+        self.task = asyncio.create_task(self._connect(owner), name="broker-startup")
+
+    async def _connect(self, owner: str) -> None:
+        await self._broker.connect()
+        # The status consumer lives on the broker's channel and stops when the broker closes.
+        await consume_status(self._broker, self._view, owner)
+        self._dispatcher_started = True
+        await self._dispatcher.start()
+        self._view.waiting_for_broker = False
+        _logger.info("gateway connected to the broker %s", self._broker.current_url)
+
+    async def failure(self) -> BaseException:
+        """What ended the start-up if it failed (e.g. no broker within
+        ``SHARDSERVE_AMQP_CONNECT_WAIT``); once connected, this never returns."""
+        assert self.task is not None, "start() first"
+        try:
+            await asyncio.shield(self.task)
+        except Exception as exc:
+            return exc
+        await asyncio.get_running_loop().create_future()  # connected: nothing left to fail
+        raise AssertionError("unreachable")
+
+    async def stop(self) -> None:
+        """Give up a wait still running, then close in reverse order of opening."""
+        if self.task is not None:
+            self.task.cancel()  # (nothing to cancel once it is done: its error is retrieved)
+            await asyncio.gather(self.task, return_exceptions=True)
+        if self._dispatcher_started:
+            await self._dispatcher.close()
+        await self._broker.close()
+
+
+BROKER_STARTUP_KEY = web.AppKey("broker_startup", BrokerStartup)
+
+
 async def _broker_ctx(app: web.Application) -> AsyncIterator[None]:
-    broker = app[BROKER_KEY]
-    await broker.connect()
+    startup = app[BROKER_STARTUP_KEY]
+    startup.start(app[SETTINGS_KEY].gateway_id)
     yield
-    await broker.close()
-
-
-async def _status_consumer_ctx(app: web.Application) -> AsyncIterator[None]:
-    # The consumer lives on the broker's channel and stops when the broker closes.
-    await consume_status(app[BROKER_KEY], app[MESH_VIEW_KEY], app[SETTINGS_KEY].gateway_id)
-    yield
-
-
-def _reply_consumer_ctx_for(dispatcher: AmqpDispatcher) -> CleanupCtx:
-    async def reply_consumer_ctx(app: web.Application) -> AsyncIterator[None]:
-        await dispatcher.start()
-        yield
-        await dispatcher.close()
-
-    return reply_consumer_ctx
+    await startup.stop()

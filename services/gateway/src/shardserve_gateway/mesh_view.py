@@ -42,6 +42,7 @@ _logger = logging.getLogger(__name__)
 DEFAULT_METHOD = "predict"
 METHOD_SEPARATOR = ":"
 STATUS_PREFETCH = 16
+BROKER_NOT_CONNECTED = "broker not connected yet"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,9 @@ class MeshView:
         self._scheduler_listeners: list[Callable[[str], None]] = []
         self._first_status = asyncio.Event()
         self.draining = False
+        # Until the gateway's first broker connection (it waits for a broker): a status
+        # cannot have come, and the reason is the broker, not the scheduler.
+        self.waiting_for_broker = False
 
     def add_scheduler_listener(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(scheduler_id)`` whenever a different scheduler shows up."""
@@ -141,6 +145,8 @@ class MeshView:
 
     def require_fresh(self) -> MeshStatus:
         """The latest status, or UnavailableError saying why there is none to trust."""
+        if self.waiting_for_broker:
+            raise UnavailableError(BROKER_NOT_CONNECTED)
         age = self.age_s()
         if self._status is None or age is None:
             raise UnavailableError("no scheduler status received yet (is the scheduler running?)")

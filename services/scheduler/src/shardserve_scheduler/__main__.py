@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from shardserve.errors import RepositoryError
+from shardserve.errors import RepositoryError, ShardserveError
 from shardserve.process.lifecycle import run_service, setup_logging
 from shardserve_scheduler.service import SchedulerService
 from shardserve_scheduler.settings import parse_settings
@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         return run_service(service.run)
+    except ShardserveError as exc:  # e.g. no broker within SHARDSERVE_AMQP_CONNECT_WAIT
+        _logger.error("scheduler failed: %s", exc)
+        return 1
     except Exception as exc:  # the last line of defence: say why, exit 1
         _logger.exception("scheduler failed: %s", exc)
         return 1

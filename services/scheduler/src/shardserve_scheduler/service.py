@@ -158,8 +158,10 @@ class SchedulerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         log_catalog(self.catalog)
-        await self.broker.connect()
         try:
+            # Waits for the broker (a scheduler may start first); a SIGTERM meanwhile stops.
+            if not await self.broker.connect_unless_stopped(stop):
+                return
             await self._declare()
             async with asyncio.TaskGroup() as tasks:
                 self._tasks = tasks

@@ -13,9 +13,11 @@ and auto-delete queues die with the old connection), on the consume channel itse
 a consumer never waits for another channel's restore to get its bindings back.
 
 With several broker URLs (a cluster's nodes, comma-separated in SHARDSERVE_AMQP_URL) the
-first connect tries them in order, and the robust connection's reconnect attempts move
-to the next URL after each failure (``shardserve.amqp.failover.FailoverConnection``): still
-one reconnect path.
+robust connection's attempts move to the next URL after each failure
+(``shardserve.amqp.failover.FailoverConnection``). The first connect takes that same path:
+a service started before its broker waits for it (capped exponential back-off, a log line
+per attempt; ``BrokerSettings.connect_wait_s`` bounds the wait), so an imperfect start
+order (compose, Kubernetes) causes no crash loop.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from aiormq import spec
 
 from shardserve.amqp.failover import FailoverConnection
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
+from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
 from shardserve.wire import chunking, codec
 from shardserve.wire.protocol import Message
@@ -95,35 +98,58 @@ class Broker:
             listener(healthy)
 
     async def connect(self) -> None:
-        """Open the connection (one of the brokers must answer now) and the channels."""
-        self._connection = await self._first_connection()
-        self._connection.close_callbacks.add(self._on_close)
-        self._connection.reconnect_callbacks.add(self._on_reconnect)
-        self._publish = await self._connection.channel(publisher_confirms=False)
-        self._confirm = await self._connection.channel(
-            publisher_confirms=True, on_return_raises=True
-        )
+        """Open the connection and the channels, waiting for a broker to answer: on the
+        connection's own reconnect path (back-off, a log line per failed attempt), for as
+        long as it takes, or ``connect_wait_s`` at most (then UnavailableError)."""
+        connection = await self._first_connection()
+        self._connection = connection
+        connection.close_callbacks.add(self._on_close)
+        connection.reconnect_callbacks.add(self._on_reconnect)
+        self._publish = await connection.channel(publisher_confirms=False)
+        self._confirm = await connection.channel(publisher_confirms=True, on_return_raises=True)
         await self._declare_exchanges()
         self.healthy = True
 
+    async def connect_unless_stopped(self, stop: asyncio.Event) -> bool:
+        """``connect``, given up when ``stop`` is set first (a SIGTERM while the broker is
+        still away): True once connected, False when stopped before."""
+        connecting = asyncio.ensure_future(self.connect())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if connecting.done():
+            connecting.result()  # (raises what the connect raised)
+            return True
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        await self.close()
+        _logger.info("stopped while waiting for the broker")
+        return False
+
     async def _first_connection(self) -> FailoverConnection:
-        """Try each broker URL in order; the first that answers becomes the current one."""
+        """A connection to the first broker URL that answers (tried in order, then round
+        robin), closed again if the wait is given up or cancelled."""
         urls = [self._with_options(url) for url in self._settings.urls]
-        failures: list[str] = []
-        for start in range(len(urls)):
-            connection = FailoverConnection(
-                urls, start, reconnect_interval=self._settings.reconnect_interval_s
-            )
-            try:
+        connection = FailoverConnection(
+            urls,
+            reconnect_interval=self._settings.reconnect_interval_s,
+            max_interval=self._settings.reconnect_max_interval_s,
+            fail_fast="0",  # the first connect retries too (aio-pika parses the text)
+        )
+        wait_s = self._settings.connect_wait_s
+        try:
+            async with asyncio.timeout(wait_s or None) as scope:
                 await connection.connect(timeout=CONNECT_TIMEOUT_S)
-            except Exception as exc:  # any failure: try the next broker, report them all
-                if len(urls) == 1:
-                    raise
-                failures.append(f"{connection.current_url}: {exc or type(exc).__name__}")
-                await connection.close()
-                continue
-            return connection
-        raise ConnectionError("no broker answered: " + "; ".join(failures))
+        except BaseException:
+            await connection.close()
+            if scope.expired():
+                raise UnavailableError(_gave_up(urls, wait_s, connection.attempts)) from None
+            raise
+        if connection.attempts > 1:
+            _logger.info(
+                "broker %s answered after %d attempts", connection.current_url, connection.attempts
+            )
+        return connection
 
     def _with_options(self, url: str) -> str:
         sep = "&" if "?" in url else "?"
@@ -468,6 +494,11 @@ async def _close_quietly(channel: AbstractChannel) -> None:
         await channel.close()
     except Exception as exc:  # closing during a broker outage: nothing left to do
         _logger.debug("channel close failed: %s", exc)
+
+
+def _gave_up(urls: list[str], wait_s: float, attempts: int) -> str:
+    where = ", ".join(redact_url(url) for url in urls)
+    return f"no broker answered within {wait_s:g} s ({attempts} attempts): {where}"
 
 
 def _expiration(deadline: float | None) -> str | None:

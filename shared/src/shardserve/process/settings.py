@@ -43,17 +43,45 @@ def message_bytes(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """A duration > 0 from an environment variable."""
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def non_negative_seconds(text: str) -> float:
+    """A duration >= 0 from an environment variable (0 usually means "no limit")."""
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class BrokerSettings:
     """Where the broker is and how to talk to it.
 
     ``urls`` may hold several brokers (comma-separated in SHARDSERVE_AMQP_URL); the
-    connection fails over between them through the one reconnect path.
+    connection fails over between them through the one reconnect path. That path also
+    makes the first connection: a service started before its broker waits for it, the
+    wait after each failed attempt doubling from ``reconnect_interval_s`` up to
+    ``reconnect_max_interval_s`` (plus jitter), for ``connect_wait_s`` at most (0: for as
+    long as it takes, what compose and Kubernetes expect of a service).
     """
 
     urls: tuple[str, ...] = variable(AMQP_URL_ENV, (DEFAULT_AMQP_URL,), parse=broker_urls)
     heartbeat_s: int = variable("SHARDSERVE_AMQP_HEARTBEAT", 10, parse=int)
-    reconnect_interval_s: float = variable("SHARDSERVE_AMQP_RECONNECT_INTERVAL", 1.0, parse=float)
+    reconnect_interval_s: float = variable(
+        "SHARDSERVE_AMQP_RECONNECT_INTERVAL", 0.5, parse=positive_seconds
+    )
+    reconnect_max_interval_s: float = variable(
+        "SHARDSERVE_AMQP_RECONNECT_MAX_INTERVAL", 5.0, parse=positive_seconds
+    )
+    connect_wait_s: float = variable(
+        "SHARDSERVE_AMQP_CONNECT_WAIT", 0.0, parse=non_negative_seconds
+    )
     publish_timeout_s: float = 5.0
     max_message_bytes: int = variable(
         MAX_MESSAGE_BYTES_ENV, DEFAULT_MAX_MESSAGE_BYTES, parse=message_bytes

@@ -75,7 +75,11 @@ def _request(doc: simdjson.Object) -> dict[str, Any] | None:
 
 def _unique_keys(obj: simdjson.Object) -> list[str] | None:
     keys = list(obj.keys())
-    return keys if len(set(keys)) == len(keys) else None
+    # A key holding NUL ("\u0000") is listed but cannot be looked up (pysimdjson passes it
+    # on as a C string, cut at the NUL: KeyError, a 500): such a body goes to orjson.
+    if len(set(keys)) != len(keys) or any("\x00" in key for key in keys):
+        return None
+    return keys
 
 
 def _input(item: Any) -> dict[str, Any] | None:

@@ -1,0 +1,145 @@
+"""One fuzz run: start a matmul mesh, fuzz its HTTP routes and AMQP consumers, check it.
+
+Passed when no answer was >= 500 or missing, every bad message sent to a dead-lettering
+consumer came back on the dead-letter queue, every service process that was there at the
+start is still there (same pids: a restart is a crash), and the demo request still
+answers -48 everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+from tests.fuzz import amqp_fuzz, amqp_messages, http_fuzz
+from tests.fuzz.oip_spec import OIP_GENERATE_SPEC, OIP_SPEC, load_oip_spec
+from tests.fuzz.tally import HttpTally
+
+from shardserve.ops.chaos.target import ChaosMesh
+
+SERVICES = ("scheduler", "gateway", "agent")
+DEMO_ELEMENT = -48.0
+
+
+@dataclass
+class FuzzRun:
+    http: list[HttpTally] = field(default_factory=list)
+    amqp: amqp_fuzz.AmqpTally | None = None
+    pids_before: dict[str, list[int]] = field(default_factory=dict)
+    pids_lost: list[str] = field(default_factory=list)
+    demo_ok: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        fuzzed = all(t.passed for t in self.http) and self.amqp is not None and self.amqp.passed
+        return fuzzed and not self.pids_lost and self.demo_ok
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "http": [t.as_dict() for t in self.http],
+            "amqp": None if self.amqp is None else self.amqp.as_dict(),
+            "services": {k: len(v) for k, v in self.pids_before.items()},
+            "services_lost": self.pids_lost,
+            "demo_answers_-48": self.demo_ok,
+            "seconds": self.seconds,
+        }
+
+    def lines(self) -> list[str]:
+        alive = sum(len(v) for v in self.pids_before.values()) - len(self.pids_lost)
+        total = sum(len(v) for v in self.pids_before.values())
+        out = [t.summary() for t in self.http]
+        out.append("amqp: not run" if self.amqp is None else self.amqp.summary())
+        out.append(f"services alive {alive}/{total}; demo -48: {self.demo_ok}")
+        out.append("seconds " + " ".join(f"{k}:{v:.0f}" for k, v in self.seconds.items()))
+        out.append("PASSED" if self.passed else "FAILED")
+        return out
+
+
+def demo_answers(base_url: str) -> bool:
+    """The README's request: 200, and every element of y is -48."""
+    body = {"inputs": [{"name": "x", "shape": [128, 96], "datatype": "FP32", "data": [1] * 12288}]}
+    request = urllib.request.Request(
+        base_url + "/v2/models/matmul/infer",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            answer = json.loads(response.read())
+    except OSError:
+        return False
+    data = answer["outputs"][0]["data"]
+    return len(data) == 128 * 16 and all(v == DEMO_ELEMENT for v in data)
+
+
+def service_pids(mesh: ChaosMesh) -> dict[str, list[int]]:
+    assert mesh.mesh is not None
+    return {service: sorted(mesh.mesh.service_pids(service)) for service in SERVICES}
+
+
+def lost_pids(before: dict[str, list[int]], after: dict[str, list[int]]) -> list[str]:
+    return [
+        f"{service} {pid}"
+        for service, pids in before.items()
+        for pid in pids
+        if pid not in after.get(service, [])
+    ]
+
+
+def fuzz_http(run: FuzzRun, base_url: str, budget: int) -> None:
+    target = http_fuzz.Target(base_url, ("matmul",), requests.Session())
+    gateway = http_fuzz.gateway_spec(base_url)
+    sources = (
+        ("gateway-openapi", gateway, http_fuzz.fuzz_spec, 0.40),
+        ("oip-spec", load_oip_spec(OIP_SPEC), http_fuzz.fuzz_spec, 0.25),
+        ("oip-generate-spec", load_oip_spec(OIP_GENERATE_SPEC), http_fuzz.fuzz_spec, 0.15),
+        ("stateful-links", gateway, http_fuzz.fuzz_stateful, 0.20),
+    )
+    for source, spec, fuzz, share in sources:
+        tally = HttpTally(source)
+        started = time.monotonic()
+        fuzz(spec, target, tally, max(1, int(budget * share)))
+        run.seconds[f"http-{source}"] = time.monotonic() - started
+        run.http.append(tally)
+        print(tally.summary(), file=sys.stderr, flush=True)
+
+
+def fuzz_amqp(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
+    started = time.monotonic()
+    messages = amqp_messages.generate(count)
+    run.seconds["amqp-generate"] = time.monotonic() - started
+    vhost = mesh.vhost or "/"
+    started = time.monotonic()
+    settle_s = 30.0 + count / 500
+    run.amqp = asyncio.run(amqp_fuzz.run_amqp_fuzz(mesh.amqp_url, vhost, messages, settle_s))
+    run.seconds["amqp-publish-settle"] = time.monotonic() - started
+    print(run.amqp.summary(), file=sys.stderr, flush=True)
+
+
+def run_fuzz(workdir: Path, http_budget: int, amqp_count: int, ranks: int) -> FuzzRun:
+    run = FuzzRun()
+    mesh = ChaosMesh(workdir, ranks=ranks)
+    try:
+        started = time.monotonic()
+        mesh.start()
+        assert mesh.mesh is not None
+        mesh.mesh.wait_ready()
+        run.seconds["mesh-start"] = time.monotonic() - started
+        run.pids_before = service_pids(mesh)
+        fuzz_http(run, mesh.http_url, http_budget)
+        fuzz_amqp(run, mesh, amqp_count)
+        run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
+        run.demo_ok = demo_answers(mesh.http_url)
+    finally:
+        mesh.stop()
+        mesh.cleanup()
+    return run
