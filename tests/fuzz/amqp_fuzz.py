@@ -1,10 +1,10 @@
 """Bad messages published straight into every queue a service of the mesh consumes.
 
 The consumer queues are found on the mesh's vhost (``rabbitmqctl list_queues``) and grouped
-by role (``QUEUE_ROLES``). Each bad message carries a ``message_id`` with this run's marker;
-those sent to a queue with a dead-letter exchange must all come back on
-``shardserve.dead-letters``; the others (queues without one) must be consumed, so their
-consumer rejected them and went on. Every queue must keep its consumers.
+by role (``QUEUE_ROLES``). Each bad message carries a ``message_id`` with this run's marker
+and must come back on ``shardserve.dead-letters``, whatever queue it was sent to (the broker
+moves it there from a queue with a dead-letter exchange; ``Broker`` republishes it from a
+no-ack queue or one without that exchange). Every queue must keep its consumers.
 """
 
 from __future__ import annotations
@@ -43,10 +43,6 @@ PUBLISH_WINDOW = 200  # confirms awaited together
 class ConsumerQueue:
     name: str
     role: str
-    # A dead-letter exchange AND a consumer that acks: a refused message comes back to us.
-    # A no-ack consumer (result, reply, collective queues) or a queue without the exchange
-    # drops it: the service counts it (Broker.dead_lettered) and logs it.
-    dead_lettered: bool
     consumers: int
     depth: int  # messages waiting
 
@@ -109,27 +105,14 @@ def consumer_queues(vhost: str) -> list[ConsumerQueue]:
     done = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers", *columns)
     if done.returncode != 0:
         raise RuntimeError(f"rabbitmqctl list_queues failed: {done.stderr.strip()}")
-    acking = acking_queues(vhost)
     found = []
     for line in done.stdout.splitlines():
         name, consumers, depth, arguments = (line.split("\t") + ["", "", ""])[:4]
         role = role_of(name)
         if role is not None and consumers.isdecimal() and int(consumers) > 0:
-            dead = "x-dead-letter-exchange" in arguments and name in acking
             depth_n = int(depth) if depth.isdecimal() else 0
-            found.append(ConsumerQueue(name, role, dead, int(consumers), depth_n))
+            found.append(ConsumerQueue(name, role, int(consumers), depth_n))
     return sorted(found, key=lambda q: q.name)
-
-
-def acking_queues(vhost: str) -> set[str]:
-    """Queues whose consumers ack (``basic.reject`` of a bad message reaches the broker)."""
-    done = rabbitmqctl(
-        "list_consumers", "-p", vhost, "--no-table-headers", "queue_name", "ack_required"
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl list_consumers failed: {done.stderr.strip()}")
-    rows = [line.split("\t") for line in done.stdout.splitlines()]
-    return {row[0] for row in rows if len(row) == 2 and row[1].strip() == "true"}
 
 
 async def publish_all(
@@ -166,9 +149,8 @@ async def _publish(
         return
     tally.sent_by_role[queue.role] += 1
     tally.labels[message.label] += 1
-    if queue.dead_lettered:
-        tally.expected_dead.add(message_id)
-        tally.target_of[message_id] = queue.role
+    tally.expected_dead.add(message_id)
+    tally.target_of[message_id] = queue.role
 
 
 async def collect_dead_letters(amqp_url: str, tally: AmqpTally, stop: asyncio.Event) -> None:

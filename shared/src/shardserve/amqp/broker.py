@@ -46,7 +46,7 @@ from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
 from shardserve.wire import chunking, codec
 from shardserve.wire.protocol import Message
-from shardserve.wire.topology import EXCHANGES, Binding, Queue
+from shardserve.wire.topology import DEAD_EXCHANGE, EXCHANGES, Binding, Queue
 
 _logger = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ class Broker:
         order = InOrder()
 
         async def on_message(incoming: AbstractIncomingMessage) -> None:
-            await self._dispatch(incoming, handler, order)
+            await self._dispatch(incoming, queue, handler, order)
 
         tag = await q.consume(on_message, exclusive=exclusive, no_ack=no_ack)
         self._consumers[tag] = q
@@ -417,11 +417,15 @@ class Broker:
             await asyncio.wait_for(queue.cancel(consumer_tag), self._settings.publish_timeout_s)
 
     async def _dispatch(
-        self, incoming: AbstractIncomingMessage, handler: MessageHandler, order: InOrder
+        self,
+        incoming: AbstractIncomingMessage,
+        queue: str,
+        handler: MessageHandler,
+        order: InOrder,
     ) -> None:
         before, mine = order.ticket()
         try:
-            message = await self._decoded(incoming)
+            message = await self._decoded(incoming, queue)
             if before is not None:
                 await before  # the previous delivery has reached its handler
         finally:
@@ -431,7 +435,7 @@ class Broker:
         async with incoming.process(requeue=False, ignore_processed=True):
             await handler(message, incoming)
 
-    async def _decoded(self, incoming: AbstractIncomingMessage) -> Message | None:
+    async def _decoded(self, incoming: AbstractIncomingMessage, queue: str) -> Message | None:
         """The delivery's message; None when there is nothing to hand over (a chunk of a
         message still incomplete, or a bad message, dead-lettered here)."""
         try:
@@ -440,14 +444,52 @@ class Broker:
             # this process either way), and decoded off the loop when big.
             message = None if body is None else await codec.decode_off_loop(body)
         except CodecError as exc:
-            self.dead_lettered += 1
-            _logger.warning("dead-lettering a message from %s: %s", incoming.routing_key, exc)
-            if not incoming.processed:  # (a no-ack delivery is already gone)
-                await incoming.reject(requeue=False)
+            await self._dead_letter(incoming, queue, exc)
             return None
         if message is None and not incoming.processed:
             await incoming.ack()
         return message
+
+    async def _dead_letter(
+        self, incoming: AbstractIncomingMessage, queue: str, problem: CodecError
+    ) -> None:
+        """A message no consumer can read: counted, logged, and kept on the dead-letter
+        queue from EVERY consumer. The broker moves it there where the queue has a
+        dead-letter exchange and the delivery can still be rejected; from a no-ack queue
+        (already gone) or one without a dead-letter exchange (agent control, status: their
+        messages expire, and expired ones must not pile up there) it is republished here."""
+        self.dead_lettered += 1
+        _logger.warning("dead-lettering a message from %s: %s", queue, problem)
+        known = self._queues.get(queue)
+        broker_does_it = known is not None and "x-dead-letter-exchange" in (known.arguments or {})
+        if not incoming.processed and broker_does_it:
+            await incoming.reject(requeue=False)
+            return
+        if not incoming.processed:
+            await incoming.ack()
+        try:
+            await self._republish_dead(incoming, queue, str(problem))
+        except Exception as exc:  # the count and the log line above stay
+            _logger.warning("could not republish a dead letter from %s: %r", queue, exc)
+
+    async def _republish_dead(
+        self, incoming: AbstractIncomingMessage, queue: str, reason: str
+    ) -> None:
+        assert self._publish is not None
+        underlay = await self._publish.get_underlay_channel()
+        properties = spec.Basic.Properties(
+            content_type=incoming.content_type,
+            message_id=incoming.message_id,
+            headers={"x-shardserve-dead-from": queue, "x-shardserve-reason": reason[:500]},
+            delivery_mode=1,
+        )
+        await underlay.basic_publish(
+            incoming.body,
+            exchange=DEAD_EXCHANGE,
+            routing_key=incoming.routing_key or "",
+            properties=properties,
+            timeout=self._settings.publish_timeout_s,
+        )
 
     async def close(self) -> None:
         """Close channels and the connection, in reverse order of opening."""
