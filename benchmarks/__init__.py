@@ -24,6 +24,13 @@ Modules, one concept each:
 - ``agent_memory`` (``python -m benchmarks.agent_memory``): agent memory experiments;
 - ``hop_properties`` (``python -m benchmarks.hop_properties``): what RabbitMQ spends per
   request-hop message for quorum vs classic, confirms, ``mandatory`` and per-message TTL.
+- generation (``--only generate``): ``gen_scenario`` (what is measured), ``gen_client`` (the
+  streaming /v1/completions client and arrivals), ``gen_metrics`` (vLLM's TTFT/TPOT/ITL/E2EL
+  and throughput, Poisson send times), ``gen_models`` (the torch environment, checkpoints and
+  exports, cached), ``gen_floor`` (the unsliced model in-process, greedy), ``gen_peer``
+  (transformers behind aiohttp, run in the torch environment), ``gen_report`` (the targets,
+  the table; ``python -m benchmarks.gen_report FILE.json`` prints them as Markdown),
+  ``gen_profile`` (py-spy and the per-step budget of a generating mesh).
 
 Every mesh load point also records the CPU milliseconds each process (gateway,
 scheduler, agents, RabbitMQ, the load generator) spent per request, from /proc.

@@ -60,16 +60,18 @@ def running_mesh(
     env: dict[str, str] | None = None,
     gateways: int = 1,
     ready_timeout: float = 300.0,
+    up_args: tuple[str, ...] = (),
 ) -> Iterator[Mesh]:
     """``shardserve up REPO --http-port P --gateways N`` until the gateway is ready (all
     ``gateways`` of them listening, so that a load's connections spread over them);
     stopped on exit.
 
     ``env`` adds service options (``SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE=...``): every
-    service option defaults from its environment variable, and children inherit it."""
+    service option defaults from its environment variable, and children inherit it.
+    ``up_args`` adds ``shardserve up`` options (``--threads 1``)."""
     port = free_port()
     log = logs / f"mesh-{repo.name}-{port}.log"
-    mesh = Mesh(repo, amqp_url, port, log, ("--gateways", str(gateways)), env or {})
+    mesh = Mesh(repo, amqp_url, port, log, ("--gateways", str(gateways), *up_args), env or {})
     mesh.start()
     try:
         mesh.ready_s = mesh.wait_ready(ready_timeout)

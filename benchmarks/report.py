@@ -155,7 +155,14 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             "the same for the model alone: onnxruntime in-process, a thread per stage",
         ),
         memory_ratio(r),
+        *_generation_ratios(r),
     ]
+
+
+def _generation_ratios(results: dict[str, Any]) -> list[Ratio]:
+    from benchmarks.gen_report import generation_ratios  # it imports Ratio from here
+
+    return generation_ratios(results)
 
 
 def cpu_ms(results: dict[str, Any], key: str, prefix: str = "") -> float | None:
@@ -281,7 +288,10 @@ def allreduce_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], ratios: list[Ratio], notes: list[str]) -> str:
-    parts = ["", *load_table(results), "", *ratio_table(ratios), "", *facts_table(results)]
+    from benchmarks.gen_report import generation_table  # it imports Ratio from here
+
+    parts = ["", *load_table(results), "", *generation_table(results), ""]
+    parts += [*ratio_table(ratios), "", *facts_table(results)]
     parts += [f"note: {n}" for n in notes]
     return "\n".join(parts)
 

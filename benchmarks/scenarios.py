@@ -540,6 +540,14 @@ def loaded_from_log(text: str) -> list[tuple[float, str]]:
     return found
 
 
+def generate(run: Run) -> None:
+    """Text generation (``benchmarks.gen_scenario``): vLLM's serving metrics for two
+    Llama-shaped checkpoints on the mesh, against an in-process floor and transformers."""
+    from benchmarks.gen_scenario import generate as generation_benchmark
+
+    generation_benchmark(run)
+
+
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "direct": direct,
     "floor": floor,
@@ -556,4 +564,5 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "large": large,
     "allreduce": allreduce,
     "cache": cache,
+    "generate": generate,
 }
