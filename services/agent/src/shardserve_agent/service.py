@@ -216,11 +216,26 @@ class AgentService:
             self._registration.on_verdict(message)
         elif isinstance(message, SchedulerHello):
             _logger.info("scheduler %s said hello; registering again", message.scheduler)
+            self._forget_sequences(message.scheduler)
             await self._registration.send_hello()
         elif isinstance(message, JobCancel):
             self._on_cancel(message)
         else:
             _logger.warning("dropping a %s message on the control queue", message.kind)
+
+    def _forget_sequences(self, scheduler: str) -> None:
+        # A scheduler says hello when it becomes active: the sequences held here belong to
+        # the one before it, which is gone, and nobody would ever free them. Its step in
+        # flight goes too: a peer that freed first fails it at once ("no reservation"),
+        # and this rank would otherwise wait for that peer's parts until the deadline.
+        freed = self._worker.stepper.free_all()
+        if freed:
+            self._hub.abort_active(f"scheduler {scheduler} took over")
+            _logger.warning(
+                "freed the KV cache of %d sequence(s) of the previous scheduler (now %s)",
+                freed,
+                scheduler,
+            )
 
     def _on_cancel(self, cancel: JobCancel) -> None:
         group = self.loaded.group

@@ -98,6 +98,15 @@ class Stepper:
             for seq in message.seqs:
                 self.cache.free(seq)
 
+    def free_all(self) -> int:
+        """Free every sequence held here; how many there were."""
+        if self.cache is None:
+            return 0
+        held = self.cache.sequences()
+        for seq in held:
+            self.cache.free(seq)
+        return len(held)
+
     async def outcome(self, work: StepWork, draining: bool) -> StepResult | None:
         """The result to send; None for a cancelled step or a non-leader whose stage
         outputs were combined at the leader."""

@@ -30,6 +30,8 @@ def _run_up(args: argparse.Namespace) -> int:
         schedulers=args.schedulers,
         gateways=args.gateways,
         repository_poll_seconds=args.repository_poll_seconds,
+        max_memory_mb=args.max_memory_mb,
+        kv_cache_mb=args.kv_cache_mb,
     )
     return run_up(options)
 
@@ -57,6 +59,19 @@ def build_up(subparsers: Subparsers) -> None:
         "process may use (affinity, cgroup quota), one core left for the other services",
     )
     parser.add_argument("--no-cache", action="store_true", help="agents skip the session cache")
+    parser.add_argument(
+        "--max-memory-mb",
+        type=positive_int,
+        default=None,
+        help="every agent's address-space cap in MiB (the agent's --max-memory-mb)",
+    )
+    parser.add_argument(
+        "--kv-cache-mb",
+        type=positive_int,
+        default=None,
+        help="generation servables: every agent's KV cache budget in MiB (the agent's "
+        "--kv-cache-mb; default from free memory and the cap)",
+    )
     parser.add_argument(
         "--schedulers",
         type=positive_int,

@@ -40,6 +40,9 @@ class UpOptions:
     schedulers: int = 1  # >1: one active, the others standby (see shardserve_scheduler.service)
     gateways: int = 1  # >1: every one serves, sharing the HTTP port (SO_REUSEPORT)
     repository_poll_seconds: float = 2.0  # 0: versions are read once, at start
+    # Passed to every agent; None: the agent's own default (see shardserve_agent.settings).
+    max_memory_mb: int | None = None
+    kv_cache_mb: int | None = None
 
 
 def with_agent_threads(options: UpOptions, agents: int) -> tuple[UpOptions, int]:
@@ -138,11 +141,21 @@ def agent_specs(
                 "--threads",
                 str(options.threads or 1),
                 *(["--no-cache"] if options.no_cache else []),
+                *_agent_memory_args(options),
             ),
             final_codes=frozenset({EXIT_USAGE, EXIT_REFUSED}),
         )
         for rank in range(group.rank_size)
     ]
+
+
+def _agent_memory_args(options: UpOptions) -> list[str]:
+    args = []
+    if options.max_memory_mb is not None:
+        args += ["--max-memory-mb", str(options.max_memory_mb)]
+    if options.kv_cache_mb is not None:
+        args += ["--kv-cache-mb", str(options.kv_cache_mb)]
+    return args
 
 
 def agent_plan(
