@@ -346,3 +346,48 @@ async def test_deadline_ends_the_stream_with_an_error_and_frees_the_kv_cache(
     assert whole_status == 504 and whole["code"] == ErrorCode.DEADLINE, whole
     freed = await asyncio.to_thread(wait_for, lambda: idle(mesh, servable), 10.0)
     assert freed, f"still running or holding KV after the deadline: {mesh.ranks(servable)}"
+
+
+# --- seeing it: /metrics ---------------------------------------------------------------
+
+
+def metric_values(text: str, name: str) -> list[float]:
+    """Every sample of ``name`` (any labels) in a Prometheus text exposition."""
+    return [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " ")
+    ]
+
+
+async def test_metrics_show_token_latencies_token_counts_and_kv_per_rank(
+    mesh: LocalMesh,
+) -> None:
+    prompt = PROMPTS[0]
+    async with openai_async(mesh) as client:
+        stream = await client.completions.create(
+            model=SERVABLES[0],
+            prompt=prompt["text"],
+            max_tokens=8,
+            stream=True,
+            temperature=0.0,
+            extra_body=IGNORE_EOS,
+        )
+        assert "".join([c.choices[0].text async for c in stream if c.choices])
+    async with aiohttp.ClientSession() as session:
+        async with session.get(mesh.http_url + "/metrics") as response:
+            text = await response.text()
+    gateway = "shardserve_gateway_"
+    for histogram in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",
+    ):
+        assert sum(metric_values(text, f"{gateway}{histogram}_count")) >= 1, histogram
+    assert sum(metric_values(text, f"{gateway}prompt_tokens_total")) >= len(prompt["input_ids"])
+    assert sum(metric_values(text, f"{gateway}generation_tokens_total")) >= 8
+    assert metric_values(text, "shardserve_servable_running_sequences")
+    assert metric_values(text, "shardserve_servable_waiting_sequences")
+    capacities = metric_values(text, "shardserve_rank_kv_capacity_bytes")
+    assert len(capacities) >= 2 and all(c > 0 for c in capacities), capacities
+    assert metric_values(text, "shardserve_rank_kv_used_bytes")

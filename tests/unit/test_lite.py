@@ -3,6 +3,7 @@ warmup building the very cache entries the agent and run-rank then hit."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -290,3 +291,30 @@ def test_warmup_command_reports_each_rank(
 def test_warmup_unknown_servable_exits_2(repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["warmup", str(repo), "--servable", "nope"]) == 2
     assert "has no version" in capsys.readouterr().err
+
+
+def test_a_run_waits_for_a_broker_ten_seconds_not_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from shardserve.lite.context import LITE_CONNECT_WAIT_S
+
+    monkeypatch.delenv("SHARDSERVE_AMQP_CONNECT_WAIT", raising=False)
+    assert lite.Context().broker_settings().connect_wait_s == LITE_CONNECT_WAIT_S
+    monkeypatch.setenv("SHARDSERVE_AMQP_CONNECT_WAIT", "2.5")
+    assert lite.Context(amqp_url="amqp://x@h/").broker_settings().connect_wait_s == 2.5
+
+
+async def test_a_run_without_a_broker_fails_naming_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from shardserve.errors import UnavailableError
+    from shardserve.lite.wire import RunMesh
+    from shardserve.repo.repository import load_group
+
+    monkeypatch.setenv("SHARDSERVE_AMQP_CONNECT_WAIT", "1")
+    export_matmul(tmp_path, rank_size=2)
+    group = load_group(tmp_path, "matmul", 1)
+    settings = lite.Context(amqp_url="amqp://guest:secret@127.0.0.1:1/").broker_settings()
+    mesh = RunMesh(settings, "r1", group, 0)
+    with pytest.raises(UnavailableError, match="rank 0: cannot reach the message broker at"):
+        await asyncio.wait_for(mesh.open(), 30)

@@ -18,6 +18,9 @@ from shardserve.runtime.compile_cache import CacheMode
 
 RUN_ID_ENV = "SHARDSERVE_RUN_ID"
 DEFAULT_TIMEOUT_S = 60.0
+# A standalone run gives up on an unreachable broker after this long (with the reason);
+# SHARDSERVE_AMQP_CONNECT_WAIT overrides it.
+LITE_CONNECT_WAIT_S = 10.0
 _RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -56,7 +59,11 @@ class Context:
 
     def broker_settings(self) -> BrokerSettings:
         settings = BrokerSettings.from_env()
-        return replace(settings, urls=(self.amqp_url,)) if self.amqp_url else settings
+        if self.amqp_url:
+            settings = replace(settings, urls=(self.amqp_url,))
+        if not settings.connect_wait_s:  # services wait for a broker forever; a run fails
+            settings = replace(settings, connect_wait_s=LITE_CONNECT_WAIT_S)
+        return settings
 
 
 def _safe(text: str) -> str:

@@ -125,7 +125,7 @@ class RunMesh:
         """Connect and declare this rank's queue (refused if the rank is already taken)."""
         try:
             await self._broker.connect()
-        except (OSError, AMQPError) as exc:
+        except (OSError, AMQPError, UnavailableError) as exc:
             raise UnavailableError(
                 f"rank {self.rank}: cannot reach the message broker at "
                 f"{redact_url(self._url)}: {exc}"
