@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
+from scheduler_side import WAIT, SchedulerSide
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import ErrorCode
@@ -27,8 +27,6 @@ from shardserve.wire.protocol import (
     AgentHello,
     CollectivePart,
     JobCancel,
-    Message,
-    RegistrationVerdict,
     SchedulerHello,
     StageResult,
     StageWork,
@@ -39,9 +37,6 @@ from shardserve.wire.topology import (
     CONTROL_EXCHANGE,
     KEY_SCHEDULER_HELLO,
     STAGE_EXCHANGE,
-    Binding,
-    Queue,
-    agent_control_key,
     group_key,
     stage_key,
 )
@@ -49,7 +44,6 @@ from shardserve.wire.topology import (
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 AGENT_SRC = Path(__file__).resolve().parents[2] / "services" / "agent" / "src"
-WAIT = 60.0  # generous: two cores may be busy with other test processes
 
 
 class AgentProcess:
@@ -90,56 +84,11 @@ class AgentProcess:
             self.proc.wait(10)
 
 
-class FakeScheduler:
+class FakeScheduler(SchedulerSide):
     """Receives agent control messages and stage results on queues of its own."""
 
     def __init__(self, broker: Broker, servable: str) -> None:
-        self.broker = broker
-        self.servable = servable
-        self.control: asyncio.Queue[Message] = asyncio.Queue()
-        self.results: asyncio.Queue[StageResult] = asyncio.Queue()
-        suffix = uuid.uuid4().hex[:8]
-        self.control_queue = Queue(f"test.sched.control.{suffix}", auto_delete=True)
-        self.result_queue = Queue(f"test.sched.results.{suffix}", auto_delete=True)
-
-    async def start(self) -> None:
-        name = self.control_queue.name
-        bindings = tuple(
-            Binding(name, CONTROL_EXCHANGE, key)
-            for key in ("agent.hello", "agent.heartbeat", "agent.bye")
-        )
-        await self.broker.declare(self.control_queue, bindings)
-        await self.broker.declare(self.result_queue)
-        await self.broker.consume(name, self._on_control, prefetch=100)
-        await self.broker.consume(self.result_queue.name, self._on_result, prefetch=100)
-
-    async def _on_control(self, message: Message, _: AbstractIncomingMessage) -> None:
-        if getattr(message, "servable", None) == self.servable:
-            await self.control.put(message)
-
-    async def _on_result(self, message: Message, _: AbstractIncomingMessage) -> None:
-        assert isinstance(message, StageResult)
-        await self.results.put(message)
-
-    async def next(self, kind: type[Any], rank: int | None = None) -> Any:
-        """The next control message of this kind (and rank), skipping others."""
-        async with asyncio.timeout(WAIT):
-            while True:
-                message = await self.control.get()
-                if isinstance(message, kind) and (rank is None or message.rank == rank):
-                    return message
-
-    async def verdict(self, hello: AgentHello, accepted: bool, reason: str = "") -> None:
-        verdict = RegistrationVerdict(instance=hello.instance, accepted=accepted, reason=reason)
-        await self.broker.publish(
-            CONTROL_EXCHANGE, agent_control_key(hello.instance), verdict, confirm=True
-        )
-
-    async def register(self, rank: int) -> AgentHello:
-        hello = await self.next(AgentHello, rank)
-        await self.verdict(hello, accepted=True)
-        await self.next(AgentHeartbeat, rank)  # queues are up once it beats
-        return hello
+        super().__init__(broker, servable, StageResult)
 
     async def send_work(self, job: str, deadline_s: float = 30.0) -> StageWork:
         inputs = {"x": Tensor.from_numpy(np.ones((128, 96), dtype=np.float32))}

@@ -14,11 +14,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
+from scheduler_side import WAIT, SchedulerSide
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import ErrorCode
@@ -26,9 +25,6 @@ from shardserve.process.settings import BrokerSettings
 from shardserve.tools.export.hf import export_hf
 from shardserve.wire.protocol import (
     AgentHeartbeat,
-    AgentHello,
-    Message,
-    RegistrationVerdict,
     RowSampling,
     SequenceReservation,
     SequencesFree,
@@ -38,11 +34,7 @@ from shardserve.wire.protocol import (
 )
 from shardserve.wire.tensors import Tensor, digest_tensors
 from shardserve.wire.topology import (
-    CONTROL_EXCHANGE,
     STAGE_EXCHANGE,
-    Binding,
-    Queue,
-    agent_control_key,
     stage_key,
 )
 
@@ -52,55 +44,15 @@ ROOT = Path(__file__).resolve().parents[2]
 AGENT_SRC = ROOT / "services" / "agent" / "src"
 LLAMA = ROOT / "tests" / "fixtures" / "hf" / "llama"
 REFERENCE = json.loads((LLAMA / "reference.json").read_text())
-WAIT = 60.0
 KV_CACHE_MB = 1
 Rows = list[tuple[int, list[int], int]]  # (seq, token ids, first position)
 
 
-class Mesh:
+class Mesh(SchedulerSide):
     """The test's scheduler side: control and result queues of its own, StepWork out."""
 
     def __init__(self, broker: Broker, servable: str) -> None:
-        self.broker = broker
-        self.servable = servable
-        self.control: asyncio.Queue[Message] = asyncio.Queue()
-        self.results: asyncio.Queue[StepResult] = asyncio.Queue()
-        suffix = uuid.uuid4().hex[:8]
-        self.control_queue = Queue(f"test.gen.control.{suffix}", auto_delete=True)
-        self.result_queue = Queue(f"test.gen.results.{suffix}", auto_delete=True)
-
-    async def start(self) -> None:
-        name = self.control_queue.name
-        keys = ("agent.hello", "agent.heartbeat", "agent.bye")
-        await self.broker.declare(
-            self.control_queue, tuple(Binding(name, CONTROL_EXCHANGE, k) for k in keys)
-        )
-        await self.broker.declare(self.result_queue)
-        await self.broker.consume(name, self._on_control, prefetch=100)
-        await self.broker.consume(self.result_queue.name, self._on_result, prefetch=100)
-
-    async def _on_control(self, message: Message, _: AbstractIncomingMessage) -> None:
-        if getattr(message, "servable", None) == self.servable:
-            await self.control.put(message)
-
-    async def _on_result(self, message: Message, _: AbstractIncomingMessage) -> None:
-        assert isinstance(message, StepResult)
-        await self.results.put(message)
-
-    async def next(self, kind: type[Any], rank: int) -> Any:
-        async with asyncio.timeout(WAIT):
-            while True:
-                message = await self.control.get()
-                if isinstance(message, kind) and message.rank == rank:
-                    return message
-
-    async def register(self, rank: int) -> AgentHello:
-        hello: AgentHello = await self.next(AgentHello, rank)
-        verdict = RegistrationVerdict(instance=hello.instance, accepted=True)
-        key = agent_control_key(hello.instance)
-        await self.broker.publish(CONTROL_EXCHANGE, key, verdict, confirm=True)
-        await self.next(AgentHeartbeat, rank)  # its work queue is up once it beats
-        return hello
+        super().__init__(broker, servable, StepResult)
 
     async def publish(self, message: StepWork | SequencesFree) -> None:
         await self.broker.publish(STAGE_EXCHANGE, stage_key(self.servable, 1, 0), message)
