@@ -24,8 +24,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Fuzz every HTTP route and AMQP consumer of a local matmul mesh.",
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK[0]} + {QUICK[1]} (CI)")
-    parser.add_argument("--http", type=int, default=None, metavar="N", help="HTTP requests")
-    parser.add_argument("--amqp", type=int, default=None, metavar="N", help="AMQP messages")
+    parser.add_argument(
+        "--http", type=int, default=None, metavar="N", help="HTTP requests (0: none)"
+    )
+    parser.add_argument(
+        "--amqp", type=int, default=None, metavar="N", help="AMQP messages (0: none)"
+    )
     parser.add_argument("--ranks", type=int, default=2, help="matmul ranks of the mesh")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write figures")
     parser.add_argument("--workdir", type=Path, default=None, help="repository + mesh log")
@@ -36,7 +40,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     http, amqp = QUICK if args.quick else FULL
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardserve-fuzz-"))
-    run = run_fuzz(workdir, args.http or http, args.amqp or amqp, args.ranks)
+    http = http if args.http is None else args.http  # (0: that half is left out)
+    amqp = amqp if args.amqp is None else args.amqp
+    run = run_fuzz(workdir, http, amqp, args.ranks)
     print("\n".join(run.lines()), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(run.as_dict(), indent=2))

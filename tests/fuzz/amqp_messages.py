@@ -6,11 +6,17 @@ numbers, unknown kinds, wrong schema versions, extra keys. Content types and chu
 are drawn too. A consumer must dead-letter every one, so the generator keeps only what the
 project's own decoding path refuses (``is_refused``, the oracle): the same reassembly and
 ``codec.decode`` a consumer runs. What it accepts is a valid message, not bad input.
+
+One message in ``LONE_FRAGMENT_SHARE`` is a lone fragment instead: a chunk with plausible
+headers (a fresh message id) whose other chunks never come. The decoding path holds it
+(``is_held``), so the consumer dead-letters it only when its message expires
+(``SHARDSERVE_CHUNK_EXPIRY``, short in the fuzz's mesh).
 """
 
 from __future__ import annotations
 
 import functools
+import random
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +33,7 @@ from shardserve.wire.protocol import SCHEMA_VERSION, Message
 
 CONTENT_TYPES = (codec.CONTENT_TYPE, "application/json", "text/plain", "", None)
 HUGE_NUMBERS = (2**64 - 1, -(2**63), 2**63, 1e308, -1e308, float("inf"), float("nan"))
+LONE_FRAGMENT_SHARE = 100  # one message in this many is a lone fragment
 
 
 @dataclass(frozen=True)
@@ -46,14 +53,35 @@ def message_kinds() -> dict[str, type[BaseModel]]:
 
 def is_refused(message: BadMessage) -> bool:
     """Whether a consumer's decoding path raises CodecError on it (it must dead-letter)."""
-    reassembler = chunking.Reassembler(max_total_bytes=codec.MAX_MESSAGE_BYTES)
     try:
-        body = reassembler.take(message.headers, message.body)
+        body = _fresh_reassembler().take(message.headers, message.body, None)
         if body is not None:
             codec.decode(body)
     except CodecError:
         return True
     return False
+
+
+def is_held(message: BadMessage) -> bool:
+    """Whether a consumer's decoding path holds it as a chunk of a message to come."""
+    return _fresh_reassembler().take(message.headers, message.body, None) is None
+
+
+def _fresh_reassembler() -> chunking.Reassembler[None]:
+    return chunking.Reassembler(max_total_bytes=codec.MAX_MESSAGE_BYTES)
+
+
+def lone_fragment(rng: random.Random) -> BadMessage:
+    """One chunk of a message of 2-4 chunks that never come (a fresh message id)."""
+    count = rng.randint(2, 4)
+    body = rng.randbytes(rng.randint(1, 256))
+    headers = {
+        chunking.H_ID: f"{rng.getrandbits(128):032x}",
+        chunking.H_INDEX: rng.randrange(count),
+        chunking.H_COUNT: count,
+        chunking.H_TOTAL: len(body) * count,
+    }
+    return BadMessage("lone-fragment", body, codec.CONTENT_TYPE, headers)
 
 
 @functools.cache  # built once: a strategy is costly to build, cheap to draw from
@@ -141,7 +169,17 @@ def bad_messages(draw: st.DrawFn, kinds: dict[str, type[BaseModel]]) -> BadMessa
 
 
 def generate(count: int, seed: int = 0) -> list[BadMessage]:
-    """``count`` bad messages (every one refused by the decoding path)."""
+    """``count`` bad messages: refused by the decoding path, and lone fragments (one in
+    ``LONE_FRAGMENT_SHARE``, at random places)."""
+    rng = random.Random(seed)
+    messages = refused_messages(count - count // LONE_FRAGMENT_SHARE, seed)
+    for _ in range(count // LONE_FRAGMENT_SHARE):
+        messages.insert(rng.randint(0, len(messages)), lone_fragment(rng))
+    return messages
+
+
+def refused_messages(count: int, seed: int) -> list[BadMessage]:
+    """``count`` messages that the decoding path refuses, from Hypothesis."""
     kinds = message_kinds()
     found: list[BadMessage] = []
     refused = bad_messages(kinds).filter(is_refused)

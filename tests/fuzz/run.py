@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import requests
 from tests.fuzz import amqp_fuzz, amqp_messages, http_fuzz
@@ -26,6 +28,10 @@ from shardserve.ops.chaos.target import ChaosMesh
 
 SERVICES = ("scheduler", "gateway", "agent")
 DEMO_ELEMENT = -48.0
+# The mesh's services give up an incomplete chunked message (and dead-letter its chunks)
+# after this, not 120 s: well within the wait for dead letters (``fuzz_amqp``), so the
+# lone fragments among the bad messages come back as dead letters too.
+CHUNK_EXPIRY_ENV, CHUNK_EXPIRY_S = "SHARDSERVE_CHUNK_EXPIRY", "5"
 
 
 @dataclass
@@ -39,8 +45,9 @@ class FuzzRun:
 
     @property
     def passed(self) -> bool:
-        fuzzed = all(t.passed for t in self.http) and self.amqp is not None and self.amqp.passed
-        return fuzzed and not self.pids_lost and self.demo_ok
+        amqp_ok = self.amqp is None or self.amqp.passed  # None: left out (--amqp 0)
+        fuzzed = (self.http or self.amqp) and all(t.passed for t in self.http) and amqp_ok
+        return bool(fuzzed) and not self.pids_lost and self.demo_ok
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -130,13 +137,16 @@ def run_fuzz(workdir: Path, http_budget: int, amqp_count: int, ranks: int) -> Fu
     mesh = ChaosMesh(workdir, ranks=ranks)
     try:
         started = time.monotonic()
-        mesh.start()
+        with mock.patch.dict(os.environ, {CHUNK_EXPIRY_ENV: CHUNK_EXPIRY_S}):
+            mesh.start()  # (its processes take the environment as it is now)
         assert mesh.mesh is not None
         mesh.mesh.wait_ready()
         run.seconds["mesh-start"] = time.monotonic() - started
         run.pids_before = service_pids(mesh)
-        fuzz_http(run, mesh.http_url, http_budget)
-        fuzz_amqp(run, mesh, amqp_count)
+        if http_budget > 0:
+            fuzz_http(run, mesh.http_url, http_budget)
+        if amqp_count > 0:
+            fuzz_amqp(run, mesh, amqp_count)
         run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
         run.demo_ok = demo_answers(mesh.http_url)
     finally:

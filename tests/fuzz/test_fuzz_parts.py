@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import msgpack
 import numpy as np
 import schemathesis
-from tests.fuzz.amqp_fuzz import role_of
-from tests.fuzz.amqp_messages import BadMessage, generate, is_refused, message_kinds
+from tests.fuzz.amqp_fuzz import AmqpTally, role_of
+from tests.fuzz.amqp_messages import (
+    LONE_FRAGMENT_SHARE,
+    BadMessage,
+    generate,
+    is_held,
+    is_refused,
+    message_kinds,
+)
 from tests.fuzz.http_fuzz import operations, with_links
 from tests.fuzz.oip_spec import OIP_GENERATE_SPEC, load_oip_spec
+from tests.fuzz.run import FuzzRun
 from tests.fuzz.tally import HttpTally
 
 from shardserve.wire import chunking, codec
@@ -68,12 +77,22 @@ def test_the_oracle_refuses_bad_bytes_and_accepts_a_valid_message() -> None:
     assert is_refused(BadMessage("bad chunk", b"abcd", headers={**half, chunking.H_INDEX: 5}))
 
 
-def test_generated_messages_are_all_refused_and_of_every_sort() -> None:
-    messages = generate(150, seed=1)
-    assert len(messages) == 150
-    assert all(is_refused(m) for m in messages)
+def test_generated_messages_are_all_refused_or_held_and_of_every_sort() -> None:
+    messages = generate(250, seed=1)
+    assert len(messages) == 250
+    lone = [m for m in messages if m.label == "lone-fragment"]
+    assert len(lone) == 250 // LONE_FRAGMENT_SHARE and all(is_held(m) for m in lone)
+    assert all(is_refused(m) for m in messages if m not in lone)
+    assert len({m.headers[chunking.H_ID] for m in lone if m.headers}) == len(lone)
     sorts = {m.label.split(":")[0].split("+")[0] for m in messages}
-    assert sorts == {"garbage", "truncated", "msgpack-value", "unknown-kind", "kind"}
+    assert sorts == {
+        "garbage",
+        "truncated",
+        "msgpack-value",
+        "unknown-kind",
+        "kind",
+        "lone-fragment",
+    }
     assert any(m.headers for m in messages) and any(m.content_type is None for m in messages)
 
 
@@ -99,3 +118,13 @@ def test_a_tally_fails_on_a_server_error_or_no_answer() -> None:
     silent = HttpTally("s")
     silent.record(0, "GET /z: ReadTimeout")
     assert not silent.passed
+
+
+def test_a_run_may_leave_one_half_out_but_must_fuzz_something() -> None:
+    http = HttpTally("t")
+    http.record(400, "GET /x")
+    assert FuzzRun(http=[http], demo_ok=True).passed  # --amqp 0
+    assert FuzzRun(amqp=AmqpTally(sent_by_role=Counter(request=1)), demo_ok=True).passed
+    assert not FuzzRun(demo_ok=True).passed  # nothing fuzzed
+    assert not FuzzRun(http=[http], amqp=AmqpTally(), demo_ok=True).passed  # amqp sent none
+    assert not FuzzRun(http=[http], demo_ok=False).passed

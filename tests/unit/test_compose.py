@@ -246,6 +246,16 @@ def test_closure_follows_markers_extras_and_cycles() -> None:
     assert closure == {"app": "1.3", "lib": "1.3", "base": "1.4", "speedup": "1.7", "cyc": "1.3"}
 
 
+def test_compose_check_sees_stopped_containers_with_either_compose() -> None:
+    """Compose v2's ``ps`` lists running containers only (v1's lists all): the restart and
+    stop checks read ``ps -a`` (both accept it) and require one container per service, so
+    that a check over no containers cannot pass."""
+    script = (ROOT / "scripts" / "compose-check").read_text()
+    assert re.search(r"compose ps (-q|\$)", script) is None
+    assert 'containers() { compose ps -a -q "$@"; }' in script
+    assert script.count('all_listed "$') == 2  # restart counts and exit codes
+
+
 def test_rabbitmq_is_healthy_once_it_accepts_amqp_connections() -> None:
     rabbit = SERVICES["rabbitmq"]
     # `ping` answers while the node boots, before the AMQP listener accepts connections.

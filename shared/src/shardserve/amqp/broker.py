@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +64,9 @@ MessageHandler = Callable[[Message, AbstractIncomingMessage], Awaitable[None]]
 
 # Bounds one connect attempt, so a node that black-holes packets is left for the next.
 CONNECT_TIMEOUT_S = 5.0
+# How often held chunks are checked for expiry besides each delivery (a quiet queue gets
+# none): a tenth of the expiry, within these bounds.
+SWEEP_INTERVAL_BOUNDS_S = (0.05, 5.0)
 
 
 class Broker:
@@ -85,7 +88,10 @@ class Broker:
         self.dead_lettered = 0
         self.reconnects = 0
         # Message ids are unique, so this broker's consumers share one reassembler.
-        self._chunks = chunking.Reassembler(max_total_bytes=codec.MAX_MESSAGE_BYTES)
+        self._chunks: chunking.Reassembler[Delivery] = chunking.Reassembler(
+            max_total_bytes=codec.MAX_MESSAGE_BYTES, expiry_s=settings.chunk_expiry_s
+        )
+        self._chunk_sweeper: asyncio.Task[None] | None = None  # from the first consume on
         self._state_listeners: list[Callable[[bool], None]] = []
 
     def add_state_listener(self, listener: Callable[[bool], None]) -> None:
@@ -360,6 +366,8 @@ class Broker:
 
         tag = await q.consume(on_message, exclusive=exclusive, no_ack=no_ack)
         self._consumers[tag] = q
+        if self._chunk_sweeper is None:
+            self._chunk_sweeper = asyncio.create_task(self._sweep_chunks_periodically())
         return tag
 
     async def consume_raw(
@@ -438,16 +446,27 @@ class Broker:
     async def _decoded(self, incoming: AbstractIncomingMessage, queue: str) -> Message | None:
         """The delivery's message; None when there is nothing to hand over (a chunk of a
         message still incomplete, or a bad message, dead-lettered here)."""
+        whole = None
         try:
-            body = self._chunks.take(incoming.headers, incoming.body)
+            whole = self._chunks.take_whole(
+                incoming.headers,
+                incoming.body,
+                Delivery.of(incoming, queue),
+                redelivered=bool(incoming.redelivered),
+            )
             # A chunk held until its message is whole: acked now (its message is lost with
-            # this process either way), and decoded off the loop when big.
-            message = None if body is None else await codec.decode_off_loop(body)
+            # this process either way; if it is given up, the reassembler hands it back
+            # to be dead-lettered), and decoded off the loop when big.
+            message = None if whole is None else await codec.decode_off_loop(whole.body)
         except CodecError as exc:
             await self._dead_letter(incoming, queue, exc)
-            return None
+            held = [] if whole is None else list(whole.held())
+            if held:  # the chunks before this one make the same bad message
+                await self._dead_letter_chunks(held, f"its message: {exc}")
+            message = None
         if message is None and not incoming.processed:
             await incoming.ack()
+        await self._dead_letter_given_up_chunks()
         return message
 
     async def _dead_letter(
@@ -467,33 +486,75 @@ class Broker:
             return
         if not incoming.processed:
             await incoming.ack()
-        try:
-            await self._republish_dead(incoming, queue, str(problem))
-        except Exception as exc:  # the count and the log line above stay
-            _logger.warning("could not republish a dead letter from %s: %r", queue, exc)
+        await self._republish_dead(incoming.body, Delivery.of(incoming, queue), str(problem))
+
+    async def _dead_letter_given_up_chunks(self) -> None:
+        """The chunks held for messages the reassembler gave up (expired now, evicted,
+        contradicted by a chunk)."""
+        for abandoned in self._chunks.sweep():
+            await self._dead_letter_chunks(abandoned.fragments, abandoned.reason)
+
+    async def _dead_letter_chunks(
+        self, fragments: Sequence[chunking.Fragment[Delivery]], reason: str
+    ) -> None:
+        """Chunks of a bad message (given up by the reassembler, or undecodable once
+        whole): acked when they arrived, so republished to the dead-letter exchange here,
+        each counted like any other dead letter."""
+        queues = ", ".join(sorted({f.origin.queue for f in fragments}))
+        _logger.warning("dead-lettering %d chunk(s) from %s: %s", len(fragments), queues, reason)
+        for fragment in fragments:
+            self.dead_lettered += 1
+            await self._republish_dead(fragment.body, fragment.origin, reason, fragment.headers)
+
+    async def _sweep_chunks_periodically(self) -> None:
+        """Gives up expired chunks on a queue where nothing else arrives (the broker's one
+        owned task, cancelled by ``close``)."""
+        low, high = SWEEP_INTERVAL_BOUNDS_S
+        interval = min(high, max(low, self._chunks.expiry_s / 10))
+        while True:
+            await asyncio.sleep(interval)
+            if len(self._chunks) and self.publishable:
+                await self._dead_letter_given_up_chunks()
 
     async def _republish_dead(
-        self, incoming: AbstractIncomingMessage, queue: str, reason: str
+        self,
+        body: bytes,
+        delivery: Delivery,
+        reason: str,
+        chunk_headers: dict[str, Any] | None = None,
     ) -> None:
-        assert self._publish is not None
-        underlay = await self._publish.get_underlay_channel()
+        """Publish a dead letter ourselves; a failure is logged (the count stays)."""
+        headers = {
+            **(chunk_headers or {}),
+            "x-shardserve-dead-from": delivery.queue,
+            "x-shardserve-reason": reason[:500],
+        }
         properties = spec.Basic.Properties(
-            content_type=incoming.content_type,
-            message_id=incoming.message_id,
-            headers={"x-shardserve-dead-from": queue, "x-shardserve-reason": reason[:500]},
+            content_type=delivery.content_type,
+            message_id=delivery.message_id,
+            headers=headers,
             delivery_mode=1,
         )
-        await underlay.basic_publish(
-            incoming.body,
-            exchange=DEAD_EXCHANGE,
-            routing_key=incoming.routing_key or "",
-            properties=properties,
-            timeout=self._settings.publish_timeout_s,
-        )
+        try:
+            assert self._publish is not None
+            underlay = await self._publish.get_underlay_channel()
+            await underlay.basic_publish(
+                body,
+                exchange=DEAD_EXCHANGE,
+                routing_key=delivery.routing_key,
+                properties=properties,
+                timeout=self._settings.publish_timeout_s,
+            )
+        except Exception as exc:
+            _logger.warning("could not republish a dead letter from %s: %r", delivery.queue, exc)
 
     async def close(self) -> None:
         """Close channels and the connection, in reverse order of opening."""
         self.healthy = False
+        if self._chunk_sweeper is not None:
+            self._chunk_sweeper.cancel()
+            await asyncio.gather(self._chunk_sweeper, return_exceptions=True)
+            self._chunk_sweeper = None
         if self._connection is None:
             return
         for channel in reversed(self._consume_channels):
@@ -523,6 +584,21 @@ class InOrder:
         mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         before, self._last = self._last, mine
         return before, mine
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What a dead letter keeps of a delivery: the queue it came from, its routing key,
+    and the properties that identify it (its message id, its content type)."""
+
+    queue: str
+    routing_key: str
+    message_id: str | None
+    content_type: str | None
+
+    @classmethod
+    def of(cls, incoming: AbstractIncomingMessage, queue: str) -> Delivery:
+        return cls(queue, incoming.routing_key or "", incoming.message_id, incoming.content_type)
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,9 @@ class BrokerSettings:
     max_message_bytes: int = variable(
         MAX_MESSAGE_BYTES_ENV, DEFAULT_MAX_MESSAGE_BYTES, parse=message_bytes
     )
+    # An incomplete chunked message is given up (dead-lettered) this long after its first
+    # chunk: 120 s, as ``chunking.DEFAULT_EXPIRY_S`` (tests/unit/test_chunking.py compares).
+    chunk_expiry_s: float = variable("SHARDSERVE_CHUNK_EXPIRY", 120.0, parse=positive_seconds)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> BrokerSettings:
