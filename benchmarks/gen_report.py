@@ -38,6 +38,7 @@ def generation_ratios(results: dict[str, Any]) -> list[Ratio]:
         *_batching(results, labels),
         _tensor_parallel(results, labels),
         *_memory(results),
+        *_decode_runs(results, labels),
     ]
 
 
@@ -60,6 +61,30 @@ def _overhead(r: dict[str, Any], labels: dict[str, str]) -> list[Ratio]:
             _div(large_mesh, large_floor),
             "<= 1.1",
             f"median ITL {large}: mesh {fmt(large_mesh)} ms, floor {fmt(large_floor)} ms",
+        ),
+    ]
+
+
+def _decode_runs(r: dict[str, Any], labels: dict[str, str]) -> list[Ratio]:
+    """Decode runs (the default) against the scheduler on every token's path
+    (``mesh-tp1-step1``): the comparison issue 29 asks for, decided by these figures."""
+    small, large = labels["small.c1"], labels["large.c32"]
+    runs = _metric(r, f"gen.small.mesh-tp1.{small}", "itl_ms")
+    each = _metric(r, f"gen.small.mesh-tp1-step1.{small}", "itl_ms")
+    runs32 = _metric(r, f"gen.large.mesh-tp1.{large}", "output_throughput")
+    each32 = _metric(r, f"gen.large.mesh-tp1-step1.{large}", "output_throughput")
+    return [
+        Ratio(
+            "gen small: ITL decode runs / scheduler every step (1 seq)",
+            _div(runs, each),
+            "-",
+            f"median ITL {small}: runs {fmt(runs)} ms, every step {fmt(each)} ms",
+        ),
+        Ratio(
+            "gen large: tok/s decode runs / scheduler every step (c32)",
+            _div(runs32, each32),
+            "-",
+            f"output tok/s {large}: runs {fmt(runs32)}, every step {fmt(each32)}",
         ),
     ]
 

@@ -39,7 +39,15 @@ MESH_ENV = {
     "SHARDSERVE_AGENT_KV_CACHE_MB": str(KV_CACHE_MB),
     "SHARDSERVE_GATEWAY_DEFAULT_TIMEOUT": "600",
 }
-LAYOUTS = {"mesh-tp1": (1, 1), "mesh-tp2": (2, 1), "mesh-pp2": (2, 2)}
+# target -> (ranks, stages, scheduler environment). ``mesh-tp1-step1`` is the design the
+# decode runs replaced, kept in the run to decide between them (issue 29: "measure both"):
+# the scheduler on every token's path, one decode step per StepWork.
+LAYOUTS: dict[str, tuple[int, int, dict[str, str]]] = {
+    "mesh-tp1": (1, 1, {}),
+    "mesh-tp1-step1": (1, 1, {"SHARDSERVE_SCHEDULER_MAX_DECODE_STEPS": "1"}),
+    "mesh-tp2": (2, 1, {}),
+    "mesh-pp2": (2, 2, {}),
+}
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,9 @@ def generate(run: Run) -> None:
     for plan in chosen:
         _guarded(run, f"{plan.short} floor", partial(_floor, run, plan))
         _guarded(run, f"{plan.short} peer", partial(_peer, run, plan))
-        for target, (ranks, stages) in LAYOUTS.items():
+        for target, (ranks, stages, env) in LAYOUTS.items():
             loads = [x for x in plan.loads if target == "mesh-tp1" or x.label in plan.reduced]
-            mesh_part = partial(_mesh, run, plan, target, ranks, stages, loads)
+            mesh_part = partial(_mesh, run, plan, target, (ranks, stages), env, loads)
             _guarded(run, f"{plan.short} {target}", mesh_part)
     if run.results.get("gen.failed"):
         raise RuntimeError(f"{len(run.results['gen.failed'])} part(s) failed (see the notes)")
@@ -184,11 +192,21 @@ def _peer(run: Run, plan: ModelPlan) -> None:
 
 
 def _mesh(
-    run: Run, plan: ModelPlan, target: str, ranks: int, stages: int, loads: list[GenLoad]
+    run: Run,
+    plan: ModelPlan,
+    target: str,
+    layout: tuple[int, int],
+    env: dict[str, str],
+    loads: list[GenLoad],
 ) -> None:
-    repo = gen_models.exported(plan.model, ranks, stages)
+    repo = gen_models.exported(plan.model, *layout)
     with running_mesh(
-        repo, run.amqp_url, run.logs, env=MESH_ENV, up_args=("--threads", "1"), ready_timeout=600
+        repo,
+        run.amqp_url,
+        run.logs,
+        env={**MESH_ENV, **env},
+        up_args=("--threads", "1"),
+        ready_timeout=600,
     ) as mesh:
         run.results[f"gen.{plan.short}.{target}.ready_s"] = round(mesh.ready_s, 2)
         for load in loads:

@@ -25,6 +25,7 @@ from shardserve.process.settings import BrokerSettings
 from shardserve.tools.export.hf import export_hf
 from shardserve.wire.protocol import (
     AgentHeartbeat,
+    JobCancel,
     RowSampling,
     SequenceReservation,
     SequencesFree,
@@ -34,7 +35,9 @@ from shardserve.wire.protocol import (
 )
 from shardserve.wire.tensors import Tensor, digest_tensors
 from shardserve.wire.topology import (
+    CONTROL_EXCHANGE,
     STAGE_EXCHANGE,
+    group_key,
     stage_key,
 )
 
@@ -75,7 +78,14 @@ class Mesh(SchedulerSide):
         assert result.error is None and result.rank == 0, result
         return result
 
-    def step_work(self, step: str, rows: Rows, reserve: Sequence[tuple[int, int]]) -> StepWork:
+    def step_work(
+        self,
+        step: str,
+        rows: Rows,
+        reserve: Sequence[tuple[int, int]],
+        decode_steps: int = 1,
+        index: int = 0,
+    ) -> StepWork:
         ids = [t for _, tokens, _ in rows for t in tokens]
         positions = [p for _, tokens, start in rows for p in range(start, start + len(tokens))]
         ends = np.cumsum([len(tokens) for _, tokens, _ in rows]) - 1
@@ -95,8 +105,14 @@ class Mesh(SchedulerSide):
             result_to=self.result_queue.name,
             layout=tuple(SequenceSpan(seq=s, start=p, count=len(t)) for s, t, p in rows),
             reserve=tuple(SequenceReservation(seq=s, capacity=c) for s, c in reserve),
-            sampling=tuple(RowSampling(seq=s, index=0) for s, _, _ in rows),
+            sampling=tuple(RowSampling(seq=s, index=index) for s, _, _ in rows),
+            decode_steps=decode_steps,
         )
+
+    async def cancel(self, step: str) -> None:
+        """What the scheduler sends when it gives up on a step (to every agent of it)."""
+        cancel = JobCancel(job=step, servable=self.servable, version=1, reason="test gave up")
+        await self.broker.publish(CONTROL_EXCHANGE, group_key(self.servable, 1), cancel)
 
     async def beat_with(self, rank: int, sequences: int) -> AgentHeartbeat:
         """The first heartbeat of ``rank`` that reports ``sequences`` sequences."""
@@ -216,4 +232,45 @@ async def test_two_ranks_generate_transformers_greedy_tokens(
     await mesh.publish(SequencesFree(servable=mesh.servable, version=1, stage=0, seqs=(2,)))
     for rank in (0, 1):
         assert (await mesh.beat_with(rank, 0)).kv_used_bytes == 0
+    assert all(proc.poll() is None for proc in agents)
+
+
+async def test_a_decode_run_streams_its_tokens_and_a_cancel_stops_it_on_both_ranks(
+    mesh: Mesh, agents: list[subprocess.Popen[bytes]]
+) -> None:
+    for rank in (0, 1):
+        await mesh.register(rank)
+    prompt = REFERENCE["prompts"][0]
+    expected = prompt["greedy_ids"]
+    ids, steps = prompt["input_ids"], len(expected) - 1
+    first = await mesh.step("prefill", [(1, ids, 0)], [(1, len(ids) + steps + 1)])
+    assert first.tokens == (expected[0],)
+
+    # one StepWork, K iterations: the leader streams K-1, then both ranks answer the last
+    await mesh.publish(mesh.step_work("run", [(1, [expected[0]], len(ids))], (), steps, 1))
+    results = await mesh.answers("run", steps - 1 + 2)
+    assert all(r.error is None for r in results), results
+    streamed = sorted((r for r in results if r.iteration < steps - 1), key=lambda r: r.iteration)
+    finals = [r for r in results if r.iteration == steps - 1]
+    assert [(r.rank, r.iteration) for r in streamed] == [(0, i) for i in range(steps - 1)]
+    assert sorted(r.rank for r in finals) == [0, 1] and finals[0].digest == finals[1].digest
+    leader_last = next(r for r in finals if r.rank == 0)
+    tokens = [first.tokens[0]] + [r.tokens[0] for r in [*streamed, leader_last]]
+    assert tokens == expected  # transformers' greedy continuation
+
+    # a long run, cancelled after its first streamed token: both ranks stop and free it
+    room = len(ids) + 100
+    await mesh.step("prefill2", [(2, ids, 0)], [(2, room)])
+    await mesh.publish(mesh.step_work("long", [(2, [expected[0]], len(ids))], (), 90, 1))
+    seen = await mesh.results.get()
+    assert (seen.step, seen.iteration, seen.rank) == ("long", 0, 0)
+    await mesh.cancel("long")
+    for rank in (0, 1):
+        assert (await mesh.beat_with(rank, 1)).kv_used_bytes > 0  # sequence 1 only
+    await asyncio.sleep(1.0)
+    late = []
+    while not mesh.results.empty():
+        late.append(mesh.results.get_nowait())
+    assert all(r.step == "long" and r.error is None for r in late)
+    assert not [r for r in late if r.iteration == 89], "the run went to its end"
     assert all(proc.poll() is None for proc in agents)

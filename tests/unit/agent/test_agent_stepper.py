@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class Stage:
 
     def __init__(self, loaded: list[LoadedSlice], budget: int = BUDGET) -> None:
         self.results: list[StepResult | StageResult] = []
+        self.on_result: Callable[[StepResult | StageResult], None] | None = None
         ranks = tuple(s.rank for s in loaded)
         self.hubs = [
             CollectiveHub(
@@ -84,6 +85,8 @@ class Stage:
 
     async def _result(self, to: str, result: StageResult | StepResult) -> None:
         self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)
 
     async def deliver(self, message: Any) -> list[StepResult]:
         """Every rank handles the message (as one publish reaches them all); the results."""
@@ -336,3 +339,146 @@ async def test_a_servable_without_attention_refuses_steps(tmp_path: Path) -> Non
 
 async def _ignore(part: CollectivePart) -> None:
     return None
+
+
+# ---------------------------------------------------------------- decode runs
+
+
+def decode_work(
+    servable: str,
+    rows: Sequence[tuple[int, int, int]],
+    steps: int,
+    *,
+    step: str = "run",
+    index: int = 1,
+    **sampling: Any,
+) -> StepWork:
+    """A decode run of ``steps`` iterations over rows (seq, last token, its position)."""
+    spans: Rows = [(s, [token], position) for s, token, position in rows]
+    rules = tuple(RowSampling(seq=s, index=index, **sampling) for s, _, _ in rows)
+    return step_work(servable, spans, step=step, sampling=rules, decode_steps=steps)
+
+
+async def prefilled(
+    stage: Stage, prompts: dict[int, list[int]], room: int, **sampling: Any
+) -> dict[int, int]:
+    """Each prompt's prefill (reserving ``room`` more tokens); its first token."""
+    rows: Rows = [(s, p, 0) for s, p in prompts.items()]
+    rules = tuple(RowSampling(seq=s, index=0, **sampling) for s in prompts)
+    reserve = [(s, len(p) + room) for s, p in prompts.items()]
+    result = await stage.step(
+        step_work(stage.servable, rows, reserve=reserve, step="prefill", sampling=rules)
+    )
+    assert result.error is None, result.error
+    return dict(zip(prompts, result.tokens, strict=True))
+
+
+async def single_steps(
+    stage: Stage, prompts: dict[int, list[int]], steps: int, **sampling: Any
+) -> dict[int, list[int]]:
+    """Prefill, then ``steps`` ordinary decode steps; every sampled token per sequence."""
+    first = await prefilled(stage, prompts, steps + 1, **sampling)
+    tokens = {s: [t] for s, t in first.items()}
+    for n in range(steps):
+        rows = [(s, tokens[s][-1], len(p) + n) for s, p in prompts.items()]
+        work = decode_work(stage.servable, rows, 1, step=f"d{n}", index=n + 1, **sampling)
+        result = await stage.step(work)
+        assert result.error is None, result.error
+        for s, token in zip(prompts, result.tokens, strict=True):
+            tokens[s].append(token)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("size", "sampling"), [(1, {}), (2, {}), (2, {"temperature": 0.9, "seed": 11})]
+)
+async def test_a_decode_run_gives_the_tokens_of_as_many_single_steps(
+    size: int, sampling: dict[str, Any], slices: dict[int, list[LoadedSlice]]
+) -> None:
+    prompts = {s: p["input_ids"] for s, p in enumerate(REFERENCE["prompts"])}
+    steps = 6
+    alone = await single_steps(Stage(slices[size]), prompts, steps, **sampling)
+
+    stage = Stage(slices[size])
+    first = await prefilled(stage, prompts, steps + 1, **sampling)
+    rows = [(s, first[s], len(p)) for s, p in prompts.items()]
+    results = await stage.deliver(decode_work(stage.servable, rows, steps, **sampling))
+    assert all(r.error is None for r in results), results
+    # the leader streams iterations 0..K-2; then every rank sends the last, all agreeing
+    streamed = [r for r in results if r.iteration < steps - 1]
+    finals = [r for r in results if r.iteration == steps - 1]
+    assert [(r.rank, r.iteration, r.digest) for r in streamed] == [
+        (0, i, "") for i in range(steps - 1)
+    ]
+    assert sorted(r.rank for r in finals) == list(range(size))
+    assert len({r.digest for r in finals}) == 1 and finals[0].digest.startswith(DIGEST_PREFIX)
+    assert [r.tokens for r in finals if r.rank != 0] == [()] * (size - 1)
+    leader_final = next(r for r in finals if r.rank == 0)
+    run = [first] + [dict(zip(prompts, r.tokens, strict=True)) for r in [*streamed, leader_final]]
+    for s in prompts:
+        assert [tokens[s] for tokens in run] == alone[s]
+    if not sampling:  # greedy: transformers' continuation
+        for s, prompt in enumerate(REFERENCE["prompts"]):
+            assert alone[s] == prompt["greedy_ids"][: steps + 1]
+    for worker in stage.workers:
+        assert worker.stats().jobs_done == 2 and worker.stats().inflight == 0
+
+
+async def test_a_decode_run_streams_logprobs_from_the_leader(
+    slices: dict[int, list[LoadedSlice]],
+) -> None:
+    stage = Stage(slices[2])
+    prompt = REFERENCE["prompts"][0]["input_ids"]
+    first = await prefilled(stage, {1: prompt}, 4)
+    results = await stage.deliver(
+        decode_work(stage.servable, [(1, first[1], len(prompt))], 3, logprobs=1)
+    )
+    with_tokens = [r for r in results if r.tokens]
+    assert [r.iteration for r in with_tokens] == [0, 1, 2]
+    for result in with_tokens:
+        [logprob] = result.logprobs
+        assert logprob is not None and logprob.token_id == result.tokens[0]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+async def test_a_cancel_between_iterations_stops_the_run_on_every_rank(
+    size: int, slices: dict[int, list[LoadedSlice]]
+) -> None:
+    stage = Stage(slices[size])
+    prompt = REFERENCE["prompts"][0]["input_ids"]
+    first = await prefilled(stage, {1: prompt}, 8)
+    seen: list[int] = []
+
+    def cancel_after_the_first(result: StepResult | StageResult) -> None:
+        if isinstance(result, StepResult) and not seen:
+            seen.append(result.iteration)
+            for hub in stage.hubs:  # what a JobCancel of the step does on each agent
+                hub.cancel("run", "the scheduler failed the step")
+
+    stage.on_result = cancel_after_the_first
+    results = await stage.deliver(decode_work(stage.servable, [(1, first[1], len(prompt))], 8))
+    assert seen == [0] and [r.iteration for r in results] == [0]
+    assert all(cache.sequences() == () for cache in stage.caches)  # freed, as a cancelled step
+
+
+async def test_a_decode_run_that_fails_mid_run_frees_and_reports_once(
+    slices: dict[int, list[LoadedSlice]],
+) -> None:
+    stage = Stage(slices[1])
+    prompt = REFERENCE["prompts"][0]["input_ids"]
+    first = await prefilled(stage, {1: prompt}, 1)
+    # room for one more token: iteration 0 writes it, iteration 1 would write past it
+    results = await stage.deliver(decode_work(stage.servable, [(1, first[1], len(prompt))], 4))
+    errors = [r for r in results if r.error is not None]
+    assert len(errors) == 1 and "exceed its reserved" in errors[0].error.message
+    assert [r.iteration for r in results if r.error is None] == [0]
+    assert stage.caches[0].sequences() == ()
+
+
+async def test_a_decode_run_is_refused_in_a_multi_stage_group(tmp_path: Path) -> None:
+    export_hf(LLAMA, tmp_path, rank_size=2, stage_size=2, name="pp")
+    loaded = load_ranks(tmp_path, "pp", 1)
+    stage = Stage(loaded)
+    work = decode_work("pp", [(1, 5, 0)], 2)
+    result = await stage.step(work)
+    assert result.error is not None and "needs a group of one stage, not 2" in result.error.message

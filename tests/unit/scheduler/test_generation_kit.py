@@ -1,6 +1,7 @@
 """A pure test bench for the GenerationMachine: a generation group, a registry whose ranks
 report KV budgets, the llama fixture's real tokenizer, and a scripted mesh that answers
-StepWork (hidden states passed through; the last stage's leader "samples" scripted tokens).
+StepWork (hidden states passed through; the last stage's leader "samples" scripted tokens;
+a decode run's iterations are streamed by the leader, then every rank answers the last).
 No tests here: the test_generation_* modules import it."""
 
 from __future__ import annotations
@@ -153,20 +154,42 @@ class Bench:
         return self.take(self.machine.on_generate(origin, target, self.now))
 
     def answer(self, work: StepWork, error: ErrorInfo | None = None) -> list[Action]:
-        """Every rank of the work's stage answers (scripted outputs); returns the actions."""
+        """Every rank of the work's stage answers (scripted outputs); returns the actions.
+        A decode run: the leader streams its iterations but the last, then every rank
+        answers the last."""
         self.pending.remove(work)
         actions: list[Action] = []
+        for iteration in range(work.decode_steps - 1):
+            actions += self.machine.on_step_result(self.streamed(work, iteration), self.now)
         for rank in self.group.stages[work.stage].ranks:
             result = self.result(work, rank, error if rank == work.stage * 2 else None)
             if result is not None:
                 actions += self.machine.on_step_result(result, self.now)
         return self.take(actions)
 
+    def streamed(self, work: StepWork, iteration: int) -> StepResult:
+        """The leader's result of a decode run's iteration (not the last)."""
+        tokens = tuple(self.script(r.seq, r.index + iteration) for r in work.sampling)
+        return StepResult(
+            step=work.step,
+            servable=work.servable,
+            version=work.version,
+            stage=work.stage,
+            rank=self.group.leader_of(work.stage),
+            tokens=tokens,
+            iteration=iteration,
+        )
+
     def result(self, work: StepWork, rank: int, error: ErrorInfo | None) -> StepResult | None:
         base = dict(step=work.step, servable=work.servable, version=work.version)
         base |= dict(stage=work.stage, rank=rank)
         if error is not None:
             return StepResult(**base, error=error)
+        if work.decode_steps > 1:  # every rank answers the last iteration of a run
+            last = work.decode_steps - 1
+            leader = rank == self.group.leader_of(work.stage)
+            tokens = tuple(self.script(r.seq, r.index + last) for r in work.sampling)
+            return StepResult(**base, digest="d", tokens=tokens if leader else (), iteration=last)
         leader = self.group.leader_of(work.stage)
         last = work.stage == self.group.stage_size - 1
         if not last:

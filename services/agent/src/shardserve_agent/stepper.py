@@ -12,6 +12,16 @@ may have written some layers' K/V and not others, and a retry reading that block
 compute garbage without noticing. The scheduler ends those sequences on the error.
 An agent that restarted holds no sequences: a step naming one it never reserved fails
 clearly instead of attending over nothing.
+
+A decode run (``StepWork.decode_steps`` K > 1, one-stage groups only) is one job of K
+iterations (``decode_run``): each feeds back the tokens the last one sampled. The stage
+runs with its outputs on every rank (the logits are the same bits everywhere) and every
+rank samples, so no rank waits for a token from another. The leader reports each
+iteration but the last as it goes (the caller streams it); after the last, every rank
+reports the digest of all K iterations' tokens. A cancel (``JobCancel`` of the step) is
+seen between iterations (or ends a collective wait): the run stops there, sends nothing
+and frees its sequences, as a cancelled single step does. A failure at any iteration is
+the step's failure.
 """
 
 from __future__ import annotations
@@ -19,23 +29,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from shardserve.amqp.collective import CollectiveHub, JobCancelledError, JobCollective
-from shardserve.errors import ErrorCode, InferenceError, OverloadedError
+from shardserve.errors import DeadlineError, ErrorCode, InferenceError, OverloadedError
 from shardserve.runtime.attention import StepAttention, StepLayout
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.program import Env, run_stage
 from shardserve.runtime.sampling import sample_rows
 from shardserve.wire.protocol import (
     ErrorInfo,
+    RowSampling,
     SequencesFree,
     StepResult,
     StepWork,
     TokenLogprob,
+)
+from shardserve.wire.tensors import Tensor
+from shardserve_agent.decode_run import (
+    Iteration,
+    OffsetCollective,
+    collectives_per_run,
+    tokens_digest,
 )
 from shardserve_agent.slice_loader import LoadedSlice
 from shardserve_agent.work_checks import (
@@ -51,6 +69,7 @@ _logger = logging.getLogger(__name__)
 LOGITS = "logits"  # the last stage's output (the HF exporter's name)
 Account = Callable[[int, float, float], float]  # (stage, started, wait ms) -> compute ms
 Clock = Callable[[], float]
+Publish = Callable[[str, StepResult], Awaitable[None]]  # (result_to, result)
 
 
 class StepFailedError(Exception):
@@ -68,6 +87,21 @@ class _Sampled:
     logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """What a step computed on this rank, before it becomes a StepResult."""
+
+    digest: str
+    sampled: _Sampled
+    outputs: dict[str, Tensor] | None = None  # shipped: a middle stage's leader
+    iteration: int = 0
+    answers: bool = True  # False: combined at the leader, whose result answers for us
+
+
+async def _no_publish(result_to: str, result: StepResult) -> None:
+    raise RuntimeError("this Stepper was built without a way to publish results")
+
+
 class Stepper:
     """Runs this rank's share of each StepWork; frees sequences."""
 
@@ -78,12 +112,14 @@ class Stepper:
         cache: KVCache | None,
         account: Account,
         clock: Clock = time.time,
+        publish: Publish = _no_publish,
     ) -> None:
         self._slice = loaded
         self._hub = hub
         self.cache = cache
         self._account = account
         self._clock = clock
+        self._publish = publish  # a decode run's results before its last (see module doc)
         group = loaded.group
         self._last_stage = loaded.stage.index == group.stage_size - 1
 
@@ -149,6 +185,12 @@ class Stepper:
         rank = self._slice.rank
         if draining:
             raise StepFailedError(ErrorCode.UNAVAILABLE, f"rank {rank} is shutting down")
+        if work.decode_steps > 1 and self._slice.group.stage_size != 1:
+            raise StepFailedError(
+                ErrorCode.INTERNAL,
+                f"rank {rank}: a run of {work.decode_steps} decode steps needs a group of "
+                f"one stage, not {self._slice.group.stage_size}",
+            )
         if work.deadline <= self._clock():
             _logger.warning("step %s reached its deadline before it started; dropped", work.step)
             raise StepFailedError(
@@ -186,10 +228,9 @@ class Stepper:
     async def _run(self, work: StepWork, cache: KVCache) -> StepResult | None:
         collective = self._hub.begin(work.step, work.deadline)
         started = time.perf_counter()
+        compute = self._decode_run if work.decode_steps > 1 else self._single
         try:
-            outputs = await self._computed(work, cache, collective)
-            tensors, digest = await finished(outputs)
-            sampled = await self._sampled(work, outputs)
+            outcome = await compute(work, cache, collective)
         except JobCancelledError as exc:
             _logger.info("%s", exc)
             self._forget(work, cache)
@@ -207,9 +248,68 @@ class Stepper:
         finally:
             self._hub.finish(work.step)
         compute_ms = self._account(work.stage, started, collective.wait_ms)
-        if not outputs and self._slice.stage.outputs:
-            return None  # combined at the leader, whose result answers for this rank
+        if not outcome.answers:
+            return None
+        return self._result(work, outcome, compute_ms, collective.wait_ms, cache.used_bytes)
+
+    async def _single(self, work: StepWork, cache: KVCache, collective: JobCollective) -> _Outcome:
+        """One pass of the stage over the step's rows."""
+        outputs = await self._computed(work, cache, collective)
+        tensors, digest = await finished(outputs)
+        sampled = await self._sampled(work, outputs)
         ships = self._slice.is_leader and not self._last_stage
+        answers = bool(outputs) or not self._slice.stage.outputs
+        return _Outcome(digest, sampled, tensors if ships else None, answers=answers)
+
+    async def _decode_run(
+        self, work: StepWork, cache: KVCache, collective: JobCollective
+    ) -> _Outcome:
+        """``work.decode_steps`` passes, each over the tokens the last one sampled."""
+        leader = self._slice.is_leader
+        iteration = Iteration.first(work, self._slice.stage.inputs, logprobs=leader)
+        per_run = collectives_per_run(self._slice.stage)
+        tokens: list[tuple[int, ...]] = []
+        while True:
+            offset = OffsetCollective(collective, iteration.index * per_run)
+            outputs = await run_stage(
+                self._slice.stage,
+                self._slice.runners,
+                iteration.inputs,
+                offset,
+                attention=StepAttention(cache, iteration.layout),
+            )
+            sampled = await self._sample(outputs, iteration.sampling)
+            tokens.append(sampled.tokens)
+            if iteration.index == work.decode_steps - 1:
+                break
+            await self._report(work, iteration.index, sampled, cache)
+            await self._between_iterations(work)
+            iteration = iteration.next(sampled.tokens)
+        return _Outcome(
+            tokens_digest(tokens), sampled if leader else _Sampled(), iteration=iteration.index
+        )
+
+    async def _report(self, work: StepWork, index: int, sampled: _Sampled, cache: KVCache) -> None:
+        """The leader streams an iteration's tokens before the run ends (not the last)."""
+        if not self._slice.is_leader:
+            return
+        outcome = _Outcome("", sampled, iteration=index)
+        await self._publish(work.result_to, self._result(work, outcome, 0.0, 0.0, cache.used_bytes))
+
+    async def _between_iterations(self, work: StepWork) -> None:
+        """Stop a run that was cancelled or is out of time before its next iteration."""
+        await asyncio.sleep(0)  # let a JobCancel that came during the iteration be handled
+        if self._hub.is_finished(work.step):
+            raise JobCancelledError(f"step {work.step} cancelled between decode iterations")
+        if work.deadline <= self._clock():
+            raise DeadlineError(
+                f"rank {self._slice.rank}: step {work.step} reached its deadline between "
+                "decode iterations"
+            )
+
+    def _result(
+        self, work: StepWork, outcome: _Outcome, compute_ms: float, wait_ms: float, used: int
+    ) -> StepResult:
         # Built from values made here (not from the wire): no re-validation needed.
         return StepResult.model_construct(
             step=work.step,
@@ -217,14 +317,15 @@ class Stepper:
             version=work.version,
             stage=work.stage,
             rank=self._slice.rank,
-            digest=digest,
-            outputs=tensors if ships else None,
-            tokens=sampled.tokens,
-            logprobs=sampled.logprobs,
+            digest=outcome.digest,
+            outputs=outcome.outputs,
+            tokens=outcome.sampled.tokens,
+            logprobs=outcome.sampled.logprobs,
             error=None,
             compute_ms=compute_ms,
-            collective_ms=collective.wait_ms,
-            kv_used_bytes=cache.used_bytes,
+            collective_ms=wait_ms,
+            kv_used_bytes=used,
+            iteration=outcome.iteration,
         )
 
     async def _computed(self, work: StepWork, cache: KVCache, collective: JobCollective) -> Env:
@@ -245,6 +346,9 @@ class Stepper:
         """The next token of each logit row, on the last stage's leader; else nothing."""
         if not (self._last_stage and self._slice.is_leader):
             return _Sampled()
+        return await self._sample(outputs, work.sampling)
+
+    async def _sample(self, outputs: Env, rows: tuple[RowSampling, ...]) -> _Sampled:
         logits = outputs.get(LOGITS)
         if logits is None:
             raise StepFailedError(
@@ -252,9 +356,9 @@ class Stepper:
             )
         logits = np.ascontiguousarray(logits, dtype=np.float32)
         if logits.nbytes > OFF_LOOP_BYTES:
-            tokens, logprobs = await asyncio.to_thread(sample_rows, logits, work.sampling)
+            tokens, logprobs = await asyncio.to_thread(sample_rows, logits, rows)
         else:
-            tokens, logprobs = sample_rows(logits, work.sampling)
+            tokens, logprobs = sample_rows(logits, rows)
         return _Sampled(tuple(tokens), tuple(logprobs))
 
     def _forget(self, work: StepWork, cache: KVCache) -> None:

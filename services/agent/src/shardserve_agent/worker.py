@@ -90,7 +90,7 @@ class StageWorker:
         self.completed = 0
         self.compute_ms_total = 0.0
         self.collective_ms_total = 0.0
-        self.stepper = Stepper(loaded, hub, kv_cache, self.account, clock)
+        self.stepper = Stepper(loaded, hub, kv_cache, self.account, clock, self._send)
 
     def stats(self) -> WorkStats:
         cache = self.stepper.cache

@@ -113,6 +113,8 @@ class SchedulerService:
                 max_waiting=settings.max_waiting_sequences,
                 max_prefill_tokens=settings.max_prefill_tokens,
                 step_timeout=settings.step_timeout_seconds,
+                max_decode_steps=settings.max_decode_steps,
+                decode_run_ms=settings.decode_run_ms,
             ),
         )
         self.texts = TextModels(settings.repository)

@@ -140,6 +140,22 @@ class SchedulerSettings:
         help="generation: a step not through every stage after this long fails its sequences "
         "(default 30)",
     )
+    max_decode_steps: int = option(
+        "--max-decode-steps",
+        8,
+        parse=positive_int,
+        help="generation: decode steps one StepWork may carry for a group of one stage, its "
+        "ranks feeding each step's tokens to the next without a round trip through the "
+        "scheduler (default 8; 1 = one step per StepWork)",
+    )
+    decode_run_ms: float = option(
+        "--decode-run-ms",
+        200.0,
+        parse=positive_float,
+        help="generation: such a run of decode steps lasts about this long at most (from "
+        "recent step times): a new request waits at most about this long for a run to end "
+        "before its prefill joins (default 200)",
+    )
     scheduler_id: str = field(default_factory=_scheduler_id)
     broker: BrokerSettings = field(default_factory=BrokerSettings)
 

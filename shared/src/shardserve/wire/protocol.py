@@ -377,6 +377,14 @@ class StepWork(_Message):
     inputs are ``input_ids`` (stage 0) or the previous stage's hidden state, with
     ``positions`` and ``logit_rows``. The last stage's leader samples one token per logit
     row with ``sampling`` (same order) and returns them in its StepResult.
+
+    ``decode_steps`` K > 1 (a *decode run*, only for a group of one stage): every row is a
+    one-token decode row with a logit row, and every rank runs K iterations of the stage;
+    iteration i + 1's ``input_ids`` are the tokens sampled at iteration i, its positions,
+    span starts and sampling indexes are i + 1 further on, its logit rows the same. Every
+    rank holds the logits and samples itself (the choice is deterministic). The leader
+    reports each iteration i < K - 1 in a StepResult with ``iteration`` i; every rank then
+    reports the last (see StepResult).
     """
 
     kind: Literal["step.work"] = "step.work"
@@ -392,11 +400,30 @@ class StepWork(_Message):
     reserve: tuple[SequenceReservation, ...] = ()
     free: tuple[int, ...] = ()
     sampling: tuple[RowSampling, ...] = ()
+    decode_steps: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _decode_run(self) -> StepWork:
+        if self.decode_steps == 1:
+            return self
+        if any(span.count != 1 for span in self.layout) or len(self.sampling) != len(self.layout):
+            raise ValueError(
+                f"a step of {self.decode_steps} decode steps must have one token and one "
+                "sampled row per sequence"
+            )
+        return self
 
 
 class StepResult(_Message):
     """One rank's outcome of a generation step's stage (as StageResult for a job), and from
-    the last stage's leader the sampled ``tokens`` (one per logit row) with their logprobs."""
+    the last stage's leader the sampled ``tokens`` (one per logit row) with their logprobs.
+
+    In a decode run of K steps (``StepWork.decode_steps``) the leader sends one result per
+    iteration i < K - 1 (``iteration`` i, its tokens, no digest), then every rank sends
+    its final result (``iteration`` K - 1, the tokens at the leader) whose ``digest`` is
+    that of all K iterations' sampled tokens: the scheduler checks that the ranks agreed.
+    An error ends the run at any iteration.
+    """
 
     kind: Literal["step.result"] = "step.result"
     step: str
@@ -412,6 +439,7 @@ class StepResult(_Message):
     compute_ms: float = 0.0
     collective_ms: float = 0.0
     kv_used_bytes: int = 0
+    iteration: int = Field(default=0, ge=0)
 
 
 class SequencesFree(_Message):

@@ -12,11 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardserve.errors import ErrorCode
-from shardserve.wire.protocol import JobCancel, SequencesFree, TokenLogprob, TopLogprob
+from shardserve.wire.protocol import (
+    JobCancel,
+    SequencesFree,
+    StepResult,
+    TokenLogprob,
+    TopLogprob,
+)
 from shardserve.wire.tensors import digest_mismatch, digest_tensors
 from shardserve_scheduler.core.actions import Action, Cancel, PublishFree, PublishStep
 from shardserve_scheduler.core.generation import chunks
 from shardserve_scheduler.core.generation.admission import KvLimit
+from shardserve_scheduler.core.generation.decode_runs import decode_steps, record_iteration
 from shardserve_scheduler.core.generation.lanes import Lane, VersionRun
 from shardserve_scheduler.core.generation.sequences import Sequence
 from shardserve_scheduler.core.generation.state import GenerationState
@@ -68,10 +75,13 @@ class Flow:
         """An idle lane starts its next step (or, with nothing to run, frees what left)."""
         if lane.step is not None:
             return []
-        rows = pack_rows(lane.sequences, self._state.limits.max_prefill_tokens)
+        limits = self._state.limits
+        decode_only = all(s.prompt_done for s in lane.sequences)  # before packing moves it
+        rows = pack_rows(lane.sequences, limits.max_prefill_tokens)
         freed, lane.leaving = lane.leaving, []
         if not rows.spans:
             return self.free_everywhere(run, freed, now)
+        steps = decode_steps(run, rows.members, limits) if decode_only else 1
         step = Step(
             id=self._state.step_id(),
             group=run.group,
@@ -83,7 +93,10 @@ class Flow:
             reserve=reservations(rows.members),
             sampling=tuple(row_sampling(s) for s in rows.sampled),
             inputs=rows.inputs(),
-            deadline=now + self._state.limits.step_timeout,
+            deadline=now + limits.step_timeout,
+            decode_steps=steps,
+            decode_only=decode_only,
+            marked_at=now,
         )
         self._state.steps[step.id] = step
         lane.step = step
@@ -119,6 +132,26 @@ class Flow:
         step.results = {}
         return self._publish(run, step, now)
 
+    def streamed(self, run: VersionRun, step: Step, result: StepResult, now: float) -> list[Action]:
+        """An iteration of a decode run before its last: the leader's tokens go out as
+        chunks at once; the step goes on (the last iteration's results complete it)."""
+        counters = self._state.counters
+        if result.rank != step.group.leader_of(step.stage):
+            counters.stray_results += 1
+            return []
+        if result.iteration < step.streamed:
+            counters.duplicate_results += 1
+            return []
+        if result.iteration > step.streamed:
+            why = f"{step.label}: iteration {result.iteration} came before {step.streamed}"
+            return self.fail_step(run, step, ErrorCode.INTERNAL, why, now)
+        problem = self._count_problem(step, result.tokens)
+        if problem:
+            return self.fail_step(run, step, ErrorCode.INTERNAL, problem, now)
+        step.streamed += 1
+        self._timed(run, step, now)
+        return self._each_token(run, step, result.tokens, result.logprobs, now)
+
     def _tokens(
         self,
         run: VersionRun,
@@ -127,15 +160,43 @@ class Flow:
         logprobs: tuple[TokenLogprob | None, ...],
         now: float,
     ) -> list[Action]:
-        if len(tokens) != len(step.sampled):
-            why = f"{step.label}: {len(tokens)} tokens for {len(step.sampled)} logit rows"
-            return self.fail_step(run, step, ErrorCode.INTERNAL, why, now)
+        """The step's last tokens: it ends, its sequences take them, the lane goes on."""
+        problem = self._count_problem(step, tokens)
+        if not problem and step.streamed != step.decode_steps - 1:
+            problem = f"{step.label} ended after {step.streamed + 1} of {step.decode_steps} steps"
+        if problem:
+            return self.fail_step(run, step, ErrorCode.INTERNAL, problem, now)
+        self._timed(run, step, now)
         self._retire(run, step)
+        actions = self._each_token(run, step, tokens, logprobs, now)
+        return actions + self.kick(run, run.lanes[step.lane], now)
+
+    @staticmethod
+    def _count_problem(step: Step, tokens: tuple[int, ...]) -> str:
+        if len(tokens) == len(step.sampled):
+            return ""
+        return f"{step.label}: {len(tokens)} tokens for {len(step.sampled)} logit rows"
+
+    @staticmethod
+    def _timed(run: VersionRun, step: Step, now: float) -> None:
+        """One iteration's tokens are in: time it (decode-only steps: decode_runs)."""
+        if step.decode_only:
+            record_iteration(run, (now - step.marked_at) * 1000)
+        step.marked_at = now
+
+    def _each_token(
+        self,
+        run: VersionRun,
+        step: Step,
+        tokens: tuple[int, ...],
+        logprobs: tuple[TokenLogprob | None, ...],
+        now: float,
+    ) -> list[Action]:
         padded = logprobs if len(logprobs) == len(tokens) else (None,) * len(tokens)
         actions: list[Action] = []
         for sequence, token, logprob in zip(step.sampled, tokens, padded, strict=True):
             actions += self._token(run, sequence, token, logprob, now)
-        return actions + self.kick(run, run.lanes[step.lane], now)
+        return actions
 
     def _retire(self, run: VersionRun, step: Step) -> None:
         self._state.steps.pop(step.id, None)
@@ -148,7 +209,7 @@ class Flow:
     ) -> list[Action]:
         """One sampled token: a chunk, and the end of the sequence when it stops."""
         if sequence.status != "running":
-            return []  # cancelled or failed while the step was in flight
+            return []  # cancelled, failed or finished while the step (or run) was in flight
         sequence.generated.append(token)
         run.stats.generated_tokens_total += 1
         logprob = with_texts(run, raw)

@@ -39,6 +39,7 @@ class VersionRun:
     admission: Admission
     lanes: list[Lane]
     stats: GenerationStats = field(default_factory=GenerationStats)
+    iteration_ms: float | None = None  # recent time of one decode iteration (decode_runs)
 
     @classmethod
     def build(cls, group: GroupConfig, text: TextModel, admission: Admission) -> VersionRun:

@@ -91,11 +91,15 @@ class GenerationMachine:
         return self.flow.end(run, sequence, ErrorCode.CANCELLED, message, now)
 
     def on_step_result(self, result: StepResult, now: float) -> list[Action]:
+        """A rank's result: a decode run's streamed iteration, or its (or a step's)
+        stage outcome, complete when every rank that answers has (``stage_answered``)."""
         step = self._record(result)
         if step is None:
             return []
         run = self.state.versions[(step.group.servable, step.group.version)]
         try:
+            if step.streams(result):
+                return self.flow.streamed(run, step, result, now)
             if result.error is not None:
                 code, message = _rank_error(step, result)
                 return self.flow.fail_step(run, step, code, message, now)
@@ -235,6 +239,11 @@ class GenerationMachine:
             return None
         if result.rank not in step.stage_ranks():
             counters.stray_results += 1
+            return None
+        if step.streams(result):
+            return step  # not an outcome of the stage: Flow.streamed checks it
+        if result.error is None and result.iteration != step.decode_steps - 1:
+            counters.stray_results += 1  # an iteration the step does not have
             return None
         if result.rank in step.results:
             counters.duplicate_results += 1

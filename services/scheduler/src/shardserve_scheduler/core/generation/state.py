@@ -15,6 +15,8 @@ class Limits:
     max_waiting: int = 256  # sequences per version waiting for KV room
     max_prefill_tokens: int = 512  # prompt tokens per step
     step_timeout: float = 30.0  # seconds for a step through every stage
+    max_decode_steps: int = 8  # decode steps per StepWork at most (decode_runs)
+    decode_run_ms: float = 200.0  # a decode run's wall time at most, about (decode_runs)
 
 
 @dataclass

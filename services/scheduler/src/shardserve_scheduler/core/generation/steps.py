@@ -10,6 +10,10 @@ Agreement (as for jobs, ``jobs.stage_answered``): a stage is complete when every
 answered (the leader alone where the stage's outputs are combined at the leader); all their
 digests must be equal. The leader's outputs are the next stage's inputs; the last stage's
 leader returns the tokens.
+
+A decode run (``decode_steps`` K > 1, ``decode_runs``) is one Step of K iterations: the
+leader's results of iterations 0..K-2 stream their tokens (``Step.streams``); every rank
+answers the last, and only those answers complete the step.
 """
 
 from __future__ import annotations
@@ -48,7 +52,11 @@ class Step:
     inputs: TensorMap
     deadline: float  # step timeout: every stage must be done by then
     stage: int = 0
-    results: dict[int, StepResult] = field(default_factory=dict)
+    results: dict[int, StepResult] = field(default_factory=dict)  # this stage's, by rank
+    decode_steps: int = 1  # K > 1: a decode run (decode_runs)
+    decode_only: bool = False  # every row a decode row: its iterations are timed
+    streamed: int = 0  # iterations of a decode run whose tokens are in (the last excepted)
+    marked_at: float = 0.0  # when it was published, or its last iteration's tokens came
 
     @property
     def label(self) -> str:
@@ -79,7 +87,12 @@ class Step:
             reserve=self.reserve,
             free=tuple(s.id for s in self.freed),
             sampling=self.sampling,
+            decode_steps=self.decode_steps,
         )
+
+    def streams(self, result: StepResult) -> bool:
+        """A decode run's result of an iteration before its last (the leader's tokens)."""
+        return result.error is None and result.iteration < self.decode_steps - 1
 
 
 @dataclass
@@ -153,9 +166,12 @@ def reservations(members: list[Sequence]) -> tuple[SequenceReservation, ...]:
 
 
 def stage_answered(step: Step) -> bool:
-    """Every rank of the stage answered, or its leader where the outputs are combined there."""
+    """Every rank of the stage answered, or its leader where the outputs are combined there
+    (not in a decode run: there every rank holds the outputs and answers)."""
     if len(step.results) == len(step.stage_ranks()):
         return True
+    if step.decode_steps > 1:
+        return False
     leader_answered = step.group.leader_of(step.stage) in step.results
     return leader_answered and bool(final_collectives(step.group.stages[step.stage]))
 
