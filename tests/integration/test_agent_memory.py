@@ -1,4 +1,5 @@
-"""Agent slice loading: external data confinement, shared weights, the mem_opt cache mode.
+"""Agent slice loading: external data confinement, shared weights, the mem_opt cache mode,
+and what the memory cap (--max-memory-mb) counts.
 
 Loads run in-process with real onnxruntime; the refusal and the "never opens another
 rank's folder" checks run real agent processes.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import re
 import shutil
 import signal
@@ -22,6 +24,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from twin_slices import write_two_segments
 
+from shardserve.process.heap import map_large_blocks, one_arena
 from shardserve.repo.repository import (
     RunOp,
     load_group,
@@ -273,3 +276,123 @@ def test_mem_opt_and_standard_keep_separate_entries(shared_repo: Path, tmp_path:
         _settings(shared_repo, "twin", 0, cache_dir=tmp_path, cache_mode="mem_opt")
     )
     assert mem_opt.cache == "miss"  # the mode is part of the key
+
+
+# --- the memory cap (--max-memory-mb) ------------------------------------------------------
+
+_CAP_PROBE = """
+import mmap, sys
+from shardserve_agent.memory_cap import apply_memory_cap
+def data_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) // 1024
+apply_memory_cap(data_mib() + 64)
+# 1 GiB reserved, never writable: the cap does not count it (RLIMIT_AS would).
+reserved = mmap.mmap(-1, 1 << 30, prot=0)  # PROT_NONE
+try:
+    bytearray(128 << 20)  # written memory beyond the cap
+except MemoryError:
+    print("refused")
+else:
+    print("allowed")
+"""
+
+
+def test_the_cap_counts_written_memory_not_reservations() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CAP_PROBE], env=_agent_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["refused"]
+
+
+_STACK_PROBE = """
+import sys, threading
+from pathlib import Path
+from shardserve_agent.memory_cap import prepare_memory
+from shardserve_agent.settings import AgentSettings
+def data_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1])
+cap = None if sys.argv[1] == "none" else 4096
+prepare_memory(AgentSettings(repository=Path("/r"), servable="s", rank=0, max_memory_mb=cap))
+release = threading.Event()
+before = data_kib()
+threads = [threading.Thread(target=release.wait) for _ in range(16)]
+for thread in threads:
+    thread.start()
+per_thread = (data_kib() - before) / len(threads) / 1024
+release.set()
+for thread in threads:
+    thread.join()
+print(round(per_thread, 1))
+"""
+
+
+def _stack_mib_per_thread(cap: str) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", _STACK_PROBE, cap],
+        env=_agent_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return float(done.stdout)
+
+
+def test_under_a_cap_new_threads_cost_2_mib_of_it_instead_of_8() -> None:
+    """A thread's stack counts whole under the cap; onnxruntime starts --threads - 1 of them
+    per segment, so a capped agent gives new threads small stacks (memory_cap)."""
+    capped, uncapped = _stack_mib_per_thread("4096"), _stack_mib_per_thread("none")
+    assert 1.9 <= capped <= 2.5, capped
+    assert uncapped >= 7.0, uncapped  # (a thread that ended earlier may leave its stack cached)
+
+
+_LOAD_PROBE = """
+import ctypes, sys
+from shardserve.process.heap import map_large_blocks, return_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def data_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) // 1024
+tuned = map_large_blocks() if sys.argv[1] == "tuned" else False
+libc.free(libc.malloc(3 << 20))  # as a first parse buffer freed: glibc's threshold rises
+before = data_mib()
+buffers = [libc.malloc(3 << 20) for _ in range(40)]  # the next segments' parse buffers
+kept = libc.malloc(64 << 10)  # a weight allocated after them, alive while serving
+for buffer in buffers:
+    libc.free(buffer)
+return_freed_memory()
+print(tuned, data_mib() - before)
+"""
+
+
+def _data_kept_after_a_load(mode: str) -> tuple[bool, int]:
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_PROBE, mode], env=_agent_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    tuned, kept_mib = done.stdout.split()
+    return tuned == "True", int(kept_mib)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_freed_parse_buffers_leave_the_capped_memory_whole() -> None:
+    """120 MiB of 3 MiB buffers freed below a live block: on glibc's heap (its threshold rose)
+    they keep counting under the cap even trimmed; mapped alone they are gone."""
+    tuned, kept = _data_kept_after_a_load("plain")
+    assert not tuned and 110 <= kept <= 130, kept
+    tuned, kept = _data_kept_after_a_load("tuned")
+    assert tuned and kept < 8, kept
+
+
+def test_a_users_own_malloc_tuning_wins_over_the_caps_set_up() -> None:
+    assert one_arena({"MALLOC_ARENA_MAX": "4"}) is False
+    assert one_arena({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}) is False
+    assert map_large_blocks({"MALLOC_MMAP_THRESHOLD_": "65536"}) is False
+    assert map_large_blocks({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}) is False

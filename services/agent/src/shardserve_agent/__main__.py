@@ -6,6 +6,15 @@ memory cap), 2 usage error, 3 registration refused by the scheduler.
 
 from __future__ import annotations
 
+import os
+
+if __name__ == "__main__":
+    # One OpenBLAS thread unless the environment says otherwise: by default it starts one per
+    # core, each with a 32 MiB buffer and an 8 MiB stack that --max-memory-mb counts (72 of
+    # the 141 MiB a 2-core agent had before loading), and the agent's numpy work (attention
+    # over its rank's heads, sampling) is small next to its onnxruntime threads (--threads).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import asyncio
 import logging
 import sys
@@ -24,10 +33,11 @@ from shardserve.repo.repository import (
     verify_rank_files,
 )
 from shardserve_agent.kv_budget import make_kv_cache
+from shardserve_agent.memory_cap import prepare_memory
 from shardserve_agent.outsider import report_outside_rank
 from shardserve_agent.service import EXIT_REFUSED, AgentService
 from shardserve_agent.settings import AgentSettings, parse_settings
-from shardserve_agent.slice_loader import SliceTooLargeError, apply_memory_cap, load_slice
+from shardserve_agent.slice_loader import SliceTooLargeError, load_slice
 
 _logger = logging.getLogger("shardserve_agent")
 
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(report_outside_rank(settings, group, reason, checksum))
         return EXIT_REFUSED
     try:
-        apply_memory_cap(settings.max_memory_mb)
+        prepare_memory(settings)
         loaded = load_slice(settings)
     except SliceTooLargeError as exc:
         _logger.error("%s", exc)

@@ -28,12 +28,14 @@ from shardserve.runtime.compile_cache import CACHE_MODES, CacheMode, default_cac
 ENV_PREFIX = "SHARDSERVE_AGENT_"
 
 MEMORY_HELP = (
-    "cap the agent's address space (RLIMIT_AS) at N MiB before loading its slice; a slice "
-    "that does not fit ends the agent with exit code 1 and a message saying so. RLIMIT_AS "
-    "counts virtual memory, not RSS: measured on x86-64 Linux (Python 3.11, onnxruntime "
-    "1.32, --threads 1), a minimal agent with a tiny slice needs 200-300 MiB of address "
-    "space before serving, and each extra thread reserves stack and malloc-arena space; "
-    "allow at least 400 MiB plus about 3x the slice's size on disk."
+    "cap the memory the agent can write to at N MiB (RLIMIT_DATA: heap, anonymous maps, "
+    "thread stacks; not code, shared libraries or reserved address space), set before its "
+    "slice loads. An allocation beyond it fails with an error instead of the OOM killer; a "
+    "slice that does not fit ends the agent with exit code 1 and a message saying so. "
+    "Measured on x86-64 Linux (Python 3.11, onnxruntime 1.32, --threads 1), allow: the "
+    "slice's size on disk + the KV budget + 100 MiB + two thirds of its largest segment "
+    "file (at least 25 MiB), plus 2 MiB per segment for each --threads beyond 1 "
+    "(docs/operations.md, Memory caps)."
 )
 CACHE_DIR_HELP = (
     "folder of this rank's compile cache (optimized ONNX graphs). Default: "

@@ -13,7 +13,6 @@ their compile-cache entries are hits here).
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,14 @@ from shardserve_agent.settings import AgentSettings
 
 _logger = logging.getLogger(__name__)
 _MIB = 1024 * 1024
+# What running out of memory says: a failed malloc/new, or a thread whose stack did not
+# fit (onnxruntime: pthread_create's EAGAIN; Python: "can't start new thread").
+_ALLOCATION_WORDS = (
+    "alloc",
+    "memory",
+    "resource temporarily unavailable",
+    "can't start new thread",
+)
 
 
 class SliceTooLargeError(Exception):
@@ -77,17 +84,6 @@ def resolve_version(repo: Path, servable: str, version: int | None) -> int:
     if not versions:
         raise RepositoryError(f"servable {servable!r} has no version in repository {repo}")
     return versions[-1]
-
-
-def apply_memory_cap(max_memory_mb: int | None) -> None:
-    """Cap the address space (RLIMIT_AS); later allocations beyond it fail instead of OOM."""
-    if max_memory_mb is None:
-        return
-    limit = max_memory_mb * _MIB
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
 def load_slice(settings: AgentSettings) -> LoadedSlice:
@@ -171,7 +167,7 @@ def _is_allocation_failure(exc: BaseException | None) -> bool:
         if isinstance(exc, MemoryError):
             return True
         text = str(exc).lower()
-        if any(w in text for w in ("alloc", "memory", "resource temporarily unavailable")):
+        if any(w in text for w in _ALLOCATION_WORDS):
             return True
         exc = exc.__cause__
     return False

@@ -63,7 +63,7 @@ def build_up(subparsers: Subparsers) -> None:
         "--max-memory-mb",
         type=positive_int,
         default=None,
-        help="every agent's address-space cap in MiB (the agent's --max-memory-mb)",
+        help="every agent's memory cap in MiB (RLIMIT_DATA; the agent's --max-memory-mb)",
     )
     parser.add_argument(
         "--kv-cache-mb",
