@@ -15,6 +15,7 @@ from shardserve.amqp.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import DeadlineError
 from shardserve.repo.repository import AllGatherOp, AllReduceOp, RunOp, StageSpec
 from shardserve.runtime.program import final_collectives, run_stage
+from shardserve.wire.parts import Part
 from shardserve.wire.protocol import CollectivePart
 from shardserve.wire.tensors import Tensor
 
@@ -31,9 +32,9 @@ class Wire:
     """Records what the hub publishes."""
 
     def __init__(self) -> None:
-        self.sent: list[CollectivePart] = []
+        self.sent: list[Part] = []
 
-    async def __call__(self, part: CollectivePart) -> None:
+    async def __call__(self, part: Part) -> None:
         self.sent.append(part)
 
 
@@ -86,7 +87,7 @@ async def test_early_parts_are_buffered_and_combined_in_rank_order() -> None:
     parts = await hub.begin("j1", deadline=2000.0).gather(0, own(1.0))
     assert [float(p[0, 0]) for p in parts] == [0.0, 1.0, 2.0]
     assert [(p.job, p.step, p.rank) for p in wire.sent] == [("j1", 0, 1)]
-    np.testing.assert_array_equal(wire.sent[0].tensor.to_numpy(), own(1.0))
+    np.testing.assert_array_equal(wire.sent[0].array, own(1.0))
 
 
 async def test_waits_for_late_parts() -> None:
@@ -155,6 +156,18 @@ async def test_foreign_and_own_parts_are_ignored() -> None:
     assert hub._pending == {}
 
 
+async def test_lean_parts_count_as_messages_do_and_a_malformed_message_is_dropped() -> None:
+    hub, _, _ = make_hub(rank=0, ranks=(0, 1, 2))
+    collective = hub.begin("j", deadline=float("inf"))
+    hub.accept(Part("j", 0, 0, 1, "part", own(1.0)))  # lean, as the link decodes it
+    broken = Tensor.model_construct(dtype="<f4", shape=(2, 1), data=b"\0" * 7)
+    hub.accept(CollectivePart.model_construct(job="j", stage=0, step=0, rank=2, tensor=broken))
+    assert set(hub.parts("j", 0)) == {1}
+    hub.accept(part("j", 0, 2, 2.0))
+    result = await collective.allcombine(0, own(0.0), lambda ps: np.concatenate(ps, axis=1))
+    assert result.tolist() == [[0.0, 1.0, 2.0]] * 2
+
+
 async def test_buffer_of_never_started_jobs_is_bounded() -> None:
     hub, _, _ = make_hub(rank=0, ranks=(0, 1), max_pending_jobs=3)
     for i in range(10):
@@ -193,12 +206,12 @@ class Stage:
             for r in ranks
         }
 
-    async def _multicast(self, part: CollectivePart) -> None:
+    async def _multicast(self, part: Part) -> None:
         for hub in self.hubs.values():
             self.deliveries += 1
             hub.accept(part)
 
-    async def _send(self, rank: int, part: CollectivePart) -> None:
+    async def _send(self, rank: int, part: Part) -> None:
         self.deliveries += 1
         self.sent_to[rank] += 1
         self.hubs[rank].accept(part)
@@ -241,6 +254,18 @@ async def test_both_algorithms_agree_bit_for_bit_on_every_rank(point_to_point: b
         assert result.tobytes() == expected.tobytes()
     # leader: 7 sends to the leader + one multicast to 8 queues; fanout: 8 multicasts.
     assert stage.deliveries == (7 + 8 if point_to_point else 8 * 8)
+
+
+async def test_fanout_sends_each_peer_its_part_where_it_can_and_never_back_to_itself() -> None:
+    """At 2 ranks a multicast would reach the sender's own queue too: 4 deliveries for 2
+    useful ones. Point-to-point, each rank's part goes to its peer only."""
+    arrays = {r: np.full(3, float(r + 1), np.float32) for r in (0, 1)}
+    direct, multicast = Stage((0, 1), point_to_point=True), Stage((0, 1), point_to_point=False)
+    for stage in (direct, multicast):
+        results = await stage.allreduce("job-f", arrays)
+        assert all(r.tolist() == [3.0] * 3 for r in results.values())
+    assert (direct.deliveries, direct.sent_to) == (2, {0: 1, 1: 1})
+    assert multicast.deliveries == 4
 
 
 async def test_leader_results_that_arrive_before_the_rank_starts_are_kept() -> None:
@@ -345,9 +370,9 @@ async def test_a_missing_shard_reaches_the_deadline_naming_the_rank() -> None:
 
 class _Outbox:
     def __init__(self) -> None:
-        self.sent: list[tuple[int, CollectivePart]] = []
+        self.sent: list[tuple[int, Part]] = []
 
-    async def __call__(self, rank: int, part: CollectivePart) -> None:
+    async def __call__(self, rank: int, part: Part) -> None:
         self.sent.append((rank, part))
 
 

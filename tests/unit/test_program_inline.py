@@ -65,7 +65,7 @@ async def test_a_short_segment_runs_inline_after_its_first_threaded_run(clock: M
 
 
 async def test_a_long_segment_stays_in_a_thread(clock: ManualClock) -> None:
-    session = FakeSession(clock, busy_s=0.005)
+    session = FakeSession(clock, busy_s=5 * program.INLINE_RUN_S)
     segment = OrtSegment(session)
     x = np.ones(4, np.float32)
     for _ in range(3):
@@ -86,16 +86,16 @@ async def test_much_bigger_feeds_go_back_to_a_thread(clock: ManualClock) -> None
 async def test_the_instances_of_a_stacked_job_share_one_thread_hop_or_stay_inline(
     clock: ManualClock,
 ) -> None:
-    session = FakeSession(clock, busy_s=0.0002)  # 0.2 ms a run
+    session = FakeSession(clock, busy_s=program.INLINE_RUN_S / 5)  # a fifth of the limit
     segment = OrtSegment(session)
     x = np.ones(4, np.float32)
-    await segment.run({"x": x})  # cost unknown: threaded; now known as ~0.2 ms
+    await segment.run({"x": x})  # cost unknown: threaded; now known as a fifth
     loop_thread = threading.get_ident()
     session.threads.clear()
-    three = await segment.run_each([{"x": x * i} for i in range(3)])  # ~0.6 ms: inline
+    three = await segment.run_each([{"x": x * i} for i in range(3)])  # 3/5: inline
     assert [out["y"].tolist() for out in three] == [[0.0] * 4, [2.0] * 4, [4.0] * 4]
     assert session.threads == [loop_thread] * 3
     session.threads.clear()
-    await segment.run_each([{"x": x}] * 8)  # ~1.6 ms together: all in one worker thread
+    await segment.run_each([{"x": x}] * 8)  # 8/5 together: all in one worker thread
     assert len(set(session.threads)) == 1 and session.threads[0] != loop_thread
     assert len(session.threads) == 8

@@ -83,3 +83,10 @@ def test_no_stops_passes_text_straight_on() -> None:
 def test_stop_token_ids_join_eos_unless_ignored() -> None:
     assert stop_token_ids([7], [1, 4]) == {1, 4, 7}
     assert stop_token_ids([7], [1, 4], ignore_eos=True) == {7}
+
+
+def test_a_longer_stop_that_starts_earlier_beats_a_shorter_one_already_matched() -> None:
+    # "b" matches in "ab", but "aba" may still complete from index 0: hold until it does.
+    assert run(["b", "aba"], ["ab", "a"]) == ("", True)
+    assert run(["b", "aba"], ["ab", "c"]) == ("a", True)
+    assert run(["b", "aba"], ["ab"]) == ("a", True)  # finished while undecided: "b" cuts

@@ -1,8 +1,8 @@
 """The agent service: register, serve stage work and collectives, heartbeat, drain.
 
 Order of life: connect -> control queue -> hello until a verdict -> (refused: exit 3) ->
-collective + work consumers -> heartbeats -> ... SIGTERM -> cancel the work consumer ->
-finish the job in flight (bounded) -> bye -> close.
+collective link (a connection of its own) + work consumer -> heartbeats -> ... SIGTERM ->
+cancel the work consumer -> finish the job in flight (bounded) -> bye -> close.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
 from shardserve.amqp.collective import CollectiveHub
+from shardserve.amqp.collective_link import CollectiveLink
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.wire.protocol import (
-    CollectivePart,
     JobCancel,
     Message,
     RegistrationVerdict,
@@ -29,6 +29,7 @@ from shardserve.wire.protocol import (
 )
 from shardserve.wire.topology import (
     COLLECTIVE_EXCHANGE,
+    Binding,
     agent_bindings,
     agent_collective_queue,
     agent_control_queue,
@@ -46,7 +47,6 @@ EXIT_REFUSED = 3
 # How long a restarted agent keeps asking for a rank still held by its (dead) predecessor.
 RETAKE_RANK_SECONDS = 15.0
 WORK_PREFETCH = 4  # small: a prefetched job is invisible to everyone else
-COLLECTIVE_PREFETCH = 1_000  # parts are tiny to hold and must never block a peer
 CONTROL_PREFETCH = 100
 
 
@@ -72,25 +72,37 @@ class AgentService:
             group.servable, group.version, loaded.rank, loaded.stage.index, self.instance
         )
         self._broker = Broker(settings.broker, f"agent-{self.instance}")
+        self._link = self._collective_link()
         self._hub = CollectiveHub(
             rank=loaded.rank,
             stage=loaded.stage.index,
             stage_ranks=loaded.stage.ranks,
-            publish=self._publish_part,
-            send_to=self._send_part,
+            publish=self._link.publish,
+            send_to=self._link.send_to,
         )
+        self._link.attach(self._hub.accept)
         self._worker = StageWorker(loaded, self._hub, self._publish_result, kv_cache=kv_cache)
         self._registration = Registration(self._broker, loaded, self.instance, self._worker.stats)
         self._accepted = False
 
-    async def _publish_part(self, part: CollectivePart) -> None:
-        await self._broker.publish(COLLECTIVE_EXCHANGE, self._key, part)
-
-    async def _send_part(self, rank: int, part: CollectivePart) -> None:
-        """A part for one peer only (the stage leader), straight to its collective queue."""
+    def _collective_link(self) -> CollectiveLink:
+        """This rank's collective queue and parts, on a connection of their own
+        (``shardserve.amqp.collective_link``): to the stage by its key, to one peer (the
+        stage leader) straight to that peer's queue."""
         group = self.loaded.group
-        queue = agent_collective_queue(group.servable, group.version, rank).name
-        await self._broker.publish("", queue, part)
+
+        def peer_queue(rank: int) -> str:
+            return agent_collective_queue(group.servable, group.version, rank).name
+
+        queue = agent_collective_queue(group.servable, group.version, self.loaded.rank)
+        return CollectiveLink(
+            self.settings.broker,
+            f"agent-{self.instance}-parts",
+            queue=queue,
+            bindings=(Binding(queue.name, COLLECTIVE_EXCHANGE, self._key),),
+            stage_route=(COLLECTIVE_EXCHANGE, self._key),
+            peer_queue=peer_queue,
+        )
 
     async def _publish_result(self, result_to: str, result: StageResult | StepResult) -> None:
         await self._broker.publish("", result_to, result)
@@ -103,6 +115,7 @@ class AgentService:
         try:
             await self._serve(stop)
         finally:
+            await self._link.close()
             await self._broker.close()
 
     async def _serve(self, stop: asyncio.Event) -> None:
@@ -159,15 +172,11 @@ class AgentService:
         stop.set()
 
     async def _start_consumers(self) -> str:
+        """The collective link first: work may need a collective as soon as it comes."""
         group, rank = self.loaded.group, self.loaded.rank
-        parts = agent_collective_queue(group.servable, group.version, rank)
+        await self._link.open()
         work = agent_work_queue(group.servable, group.version, rank)
-        await self._broker.declare(parts, self._bindings)
         await self._broker.declare(work, self._bindings)
-        # No acks: parts are only useful to this process (the queue goes with it).
-        await self._broker.consume(
-            parts.name, self._on_part, prefetch=COLLECTIVE_PREFETCH, no_ack=True
-        )
         return await self._broker.consume(work.name, self._worker.handle, prefetch=WORK_PREFETCH)
 
     async def _serve_until_stopped(self, stop: asyncio.Event, work_tag: str) -> None:
@@ -243,9 +252,3 @@ class AgentService:
             return
         if self._hub.cancel(cancel.job, cancel.reason):
             _logger.info("job %s cancelled while running: %s", cancel.job, cancel.reason)
-
-    async def _on_part(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        if isinstance(message, CollectivePart):
-            self._hub.accept(message)
-        else:
-            _logger.warning("dropping a %s message on the collective queue", message.kind)

@@ -12,8 +12,10 @@ the agent wires it to its stage's collective queue, the standalone per-rank run
 
 Three algorithms, chosen per collective by ``CollectiveHub.algorithm_for``:
 
-- **fanout**: every rank multicasts its part to the stage; R publishes, R*(R-1)
-  deliveries, one hop. Every rank combines the same parts in rank order.
+- **fanout**: every rank sends its part to each peer; one hop, R*(R-1) deliveries: R-1
+  point-to-point sends per rank where the transport has them (at 2 ranks: one), else one
+  multicast to the stage per rank, which the broker also delivers back to its sender
+  (R*R deliveries, R of them dropped). Every rank combines the same parts in rank order.
 - **leader**: every other rank sends its part to the stage leader (its first rank) only;
   the leader combines in rank order and multicasts the combined result; R-1 + 1
   publishes, 2*(R-1) deliveries (+1 to the leader's own queue, dropped), two hops. All
@@ -62,25 +64,27 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from shardserve.errors import DeadlineError, ShardserveError
+from shardserve.wire.parts import Part, PartPhase
 from shardserve.wire.protocol import CollectivePart
-from shardserve.wire.tensors import Tensor
 
 _logger = logging.getLogger(__name__)
 
-PartPublisher = Callable[[CollectivePart], Awaitable[None]]
-PartSender = Callable[[int, CollectivePart], Awaitable[None]]  # (to rank, part)
+# A rank's own parts go out as ``Part``s (no message to build: the transport writes the
+# lean form, ``shardserve.wire.parts``, or ``Part.message()``).
+PartPublisher = Callable[[Part], Awaitable[None]]
+PartSender = Callable[[int, Part], Awaitable[None]]  # (to rank, part)
 Combine = Callable[[list[np.ndarray]], np.ndarray]
 FANOUT, LEADER, SHARDED = "fanout", "leader", "sharded"
 # The final collectives of a stage, combined at the leader only (``JobCollective.to_leader``)
 TO_LEADER, SHARDED_TO_LEADER = "to-leader", "sharded-to-leader"
 LEADER_MIN_RANKS = 3
 MIN_SHARD_BYTES = 1024 * 1024  # allreduce parts of R times this or more are sharded
-Phase = Literal["part", "shard", "reduced"]
+Phase = PartPhase
 _T = TypeVar("_T")
 
 
@@ -102,6 +106,20 @@ def sum_in_rank_order(parts: list[np.ndarray]) -> np.ndarray:
 Clock = Callable[[], float]
 StepParts = dict[int, np.ndarray]  # rank -> array
 StepKey = tuple[int, Phase]  # (step, phase): the buffers of one job
+
+
+def _array_of(part: CollectivePart) -> np.ndarray | None:
+    """A message's array; None (logged) for one whose tensor does not decode."""
+    try:
+        return part.tensor.to_numpy()
+    except ShardserveError as exc:
+        _logger.warning(
+            "dropping malformed collective part of job %s from rank %d: %s",
+            part.job,
+            part.rank,
+            exc,
+        )
+        return None
 
 
 class JobCancelledError(ShardserveError):
@@ -156,8 +174,9 @@ class CollectiveHub:
         self._active: JobCollective | None = None
         self.runs: Counter[str] = Counter()  # collectives run, by algorithm
 
-    def accept(self, part: CollectivePart) -> None:
-        """Take one part from the wire (own parts are added locally, not from the wire)."""
+    def accept(self, part: Part | CollectivePart) -> None:
+        """Take one part from the wire, lean (``Part``) or as a message (own parts are
+        added locally, not from the wire)."""
         if part.rank == self.rank or part.job in self._finished:
             return
         if part.stage != self.stage or part.rank not in self.ranks:
@@ -169,15 +188,8 @@ class CollectiveHub:
                 self.rank,
             )
             return
-        try:
-            array = part.tensor.to_numpy()
-        except ShardserveError as exc:
-            _logger.warning(
-                "dropping malformed collective part of job %s from rank %d: %s",
-                part.job,
-                part.rank,
-                exc,
-            )
+        array = part.array if isinstance(part, Part) else _array_of(part)
+        if array is None:
             return
         self.parts(part.job, part.step, part.phase).setdefault(part.rank, array)
         if self._active is not None and self._active.job == part.job:
@@ -251,10 +263,10 @@ class CollectiveHub:
     def now(self) -> float:
         return self._clock()
 
-    async def publish(self, part: CollectivePart) -> None:
+    async def publish(self, part: Part) -> None:
         await self._publish(part)
 
-    async def send_to(self, rank: int, part: CollectivePart) -> None:
+    async def send_to(self, rank: int, part: Part) -> None:
         assert self._send_to is not None
         await self._send_to(rank, part)
 
@@ -274,22 +286,14 @@ class JobCollective:
         self._cancel_reason = reason
         self.changed.set()
 
-    def _part(self, step: int, array: np.ndarray, phase: Phase = "part") -> CollectivePart:
-        # Made from our own array: no validation needed (from_numpy checks the dtype).
-        return CollectivePart.model_construct(
-            job=self.job,
-            stage=self._hub.stage,
-            step=step,
-            rank=self._hub.rank,
-            tensor=Tensor.from_numpy(array),
-            phase=phase,
-        )
+    def _part(self, step: int, array: np.ndarray, phase: Phase = "part") -> Part:
+        return Part(self.job, self._hub.stage, step, self._hub.rank, phase, array)
 
     async def gather(self, step: int, array: np.ndarray) -> list[np.ndarray]:
         """Every rank's part of this step in rank order (fanout)."""
         hub = self._hub
         started = time.perf_counter()
-        await hub.publish(self._part(step, array))
+        await self._to_peers(self._part(step, array))
         parts = hub.parts(self.job, step)
         parts[hub.rank] = array
         try:
@@ -297,6 +301,18 @@ class JobCollective:
         finally:
             self.wait_ms += (time.perf_counter() - started) * 1000
         return [parts[r] for r in hub.ranks]
+
+    async def _to_peers(self, part: Part) -> None:
+        """``part`` to every other rank: one by one where the transport can send to one
+        rank (a multicast would also come back to this rank: a wasted delivery, through
+        the broker and this rank's socket, for every part), else as one multicast."""
+        hub = self._hub
+        if not hub.point_to_point:
+            await hub.publish(part)
+            return
+        for rank in hub.ranks:
+            if rank != hub.rank:
+                await hub.send_to(rank, part)
 
     async def allcombine(self, step: int, array: np.ndarray, combine: Combine) -> np.ndarray:
         """``combine`` of every rank's part, in rank order, identical bits on every rank."""

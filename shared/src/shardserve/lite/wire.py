@@ -7,7 +7,10 @@ then exchange collective parts and stage outputs directly. Layout (exchange
     queue shardserve.run.<run>.r<rank>   exclusive (one process per rank and run; gone
                                          when the process ends), bound to
       run:<run>:all        every rank of the run: ready(rank) and failures
-      run:<run>:s<stage>   the ranks of one stage: collective parts and the stage's input
+      run:<run>:s<stage>   the ranks of one stage: the stage's input
+    queue shardserve.run.<run>.r<rank>.parts   exclusive too, bound to
+      run:<run>:p<stage>   the ranks of one stage: collective parts, on a connection of
+                           their own (``shardserve.amqp.collective_link``, as agents)
 
 Keys start with ``run:`` and hold no ``.<version>.s<stage>`` tail, so they never meet an
 agent's ``<servable>.<version>.s<stage>``. Messages are the serving ones:
@@ -18,8 +21,10 @@ agent's ``<servable>.<version>.s<stage>``. Messages are the serving ones:
   A rank starts predicting once it has heard every rank of the run, which also proves
   every queue exists, so no later publish is lost. Waiting is bounded; the error names
   the ranks that never showed up.
-- collectives: ``CollectivePart`` on ``s<stage>``, job id ``<run>:<n>`` for the n-th
-  predict (ranks predict the same number of times, in the same order).
+- collectives: ``CollectivePart`` (lean form, ``shardserve.wire.parts``) on ``p<stage>``
+  or straight to one rank's parts queue, job id ``<run>:<n>`` for the n-th predict (ranks
+  predict the same number of times, in the same order). A rank says hello only once
+  both of its queues exist, so a part is never published to a queue not there yet.
 - stage chaining: the leader of stage s publishes ``StageWork(job, stage=s+1, outputs)``
   on ``s<s+1>``; stage s+1 ranks check its digest and run on it.
 - failure: a rank that fails a predict publishes ``StageResult(error)`` on ``all``; its
@@ -41,6 +46,7 @@ from aio_pika.exceptions import AMQPError, ChannelClosed
 
 from shardserve.amqp.broker import Broker
 from shardserve.amqp.collective import MIN_SHARD_BYTES, CollectiveHub
+from shardserve.amqp.collective_link import CollectiveLink
 from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
 from shardserve.process.redact import redact_url
@@ -71,8 +77,16 @@ def run_key_stage(run: str, stage: int) -> str:
     return f"run:{run}:s{stage}"
 
 
+def run_key_parts(run: str, stage: int) -> str:
+    return f"run:{run}:p{stage}"
+
+
 def run_queue(run: str, rank: int) -> Queue:
     return Queue(f"shardserve.run.{run}.r{rank}", exclusive=True, auto_delete=True)
+
+
+def run_parts_queue(run: str, rank: int) -> Queue:
+    return Queue(f"shardserve.run.{run}.r{rank}.parts", exclusive=True, auto_delete=True)
 
 
 def run_bindings(run: str, rank: int, stage: int) -> tuple[Binding, ...]:
@@ -107,14 +121,16 @@ class RunMesh:
         self.stage = group.stage_of(rank)
         self._url = broker_settings.url
         self._broker = Broker(broker_settings, f"run-{run}-r{rank}")
+        self._link = _parts_link(broker_settings, run, rank, self.stage.index)
         self.hub = CollectiveHub(
             rank=rank,
             stage=self.stage.index,
             stage_ranks=self.stage.ranks,
-            publish=self._part,
-            send_to=self._send_part,
+            publish=self._link.publish,
+            send_to=self._link.send_to,
             min_shard_bytes=min_shard_bytes,
         )
+        self._link.attach(self.hub.accept)
         self._seen: set[int] = {rank}
         self._inputs: dict[str, StageWork] = {}
         self._failures: dict[str, Failure] = {}
@@ -138,9 +154,11 @@ class RunMesh:
                 f"rank {self.rank} of run {self.run!r} is already running in another process "
                 f"(queue {queue.name} is taken): {exc}"
             ) from exc
+        await self._link.open()
         await self._broker.consume(queue.name, self._on_message, prefetch=PREFETCH)
 
     async def close(self) -> None:
+        await self._link.close()
         await self._broker.close()
 
     # ------------------------------------------------------------ rendezvous
@@ -296,15 +314,8 @@ class RunMesh:
 
     # ------------------------------------------------------------ wire
 
-    async def _part(self, part: CollectivePart) -> None:
-        await self._broker.publish(COLLECTIVE_EXCHANGE, run_key_stage(self.run, part.stage), part)
-
-    async def _send_part(self, rank: int, part: CollectivePart) -> None:
-        """A part for one peer only (the stage leader): straight to its run queue."""
-        await self._broker.publish("", run_queue(self.run, rank).name, part)
-
     async def _on_message(self, message: Message, incoming: AbstractIncomingMessage) -> None:
-        if isinstance(message, CollectivePart):
+        if isinstance(message, CollectivePart):  # (from a release that sent parts here)
             self.hub.accept(message)
         elif isinstance(message, AgentHello):
             await self._on_hello(message)
@@ -316,3 +327,21 @@ class RunMesh:
             self._on_failure(message)
         else:
             _logger.warning("dropping a %s message on run %s", message.kind, self.run)
+
+
+def _parts_link(settings: BrokerSettings, run: str, rank: int, stage: int) -> CollectiveLink:
+    """A rank's collective parts: its parts queue, on the link's own connection."""
+    queue = run_parts_queue(run, rank)
+
+    def peer_queue(peer: int) -> str:
+        return run_parts_queue(run, peer).name
+
+    key = run_key_parts(run, stage)
+    return CollectiveLink(
+        settings,
+        f"run-{run}-r{rank}-parts",
+        queue=queue,
+        bindings=(Binding(queue.name, COLLECTIVE_EXCHANGE, key),),
+        stage_route=(COLLECTIVE_EXCHANGE, key),
+        peer_queue=peer_queue,
+    )

@@ -234,12 +234,17 @@ def combine(op: AllGatherOp | AllReduceOp, parts: list[np.ndarray]) -> np.ndarra
     return sum_in_rank_order(parts)
 
 
-# A segment whose last run took less than this runs inline on the event loop next time:
-# handing 0.03 ms of compute to a thread cost more CPU than the compute (thread hand-off,
-# wake-ups, GIL), and blocking the loop for under a millisecond delays nothing that
-# matters (heartbeats are 1 s apart). Anything slower, or fed much more data than last
-# time (a bigger batch), goes to a thread so the loop keeps serving.
-INLINE_RUN_S = 0.001
+# A segment whose last run took less than this runs inline on the event loop next time.
+# A thread hand-off costs every run a submit, a worker wake-up, a loop wake-up and the GIL
+# back (~40 us of wall and ~30 us of CPU here), and a tensor-parallel decode step runs 25
+# segments between 17 collectives, each on the critical path of both ranks. bench-large at
+# TP 2 (one sequence, 2 cores, load 3-5, two alternating pairs of runs), each rank's compute
+# per step: 25-31 ms inline up to 20 ms, 33-42 ms with 1 ms. Blocking the
+# loop that long delays nothing that matters: heartbeats are 1 s apart, and a peer's part
+# that arrives meanwhile waits in the socket, where this rank could not use it sooner.
+# Anything slower (a big prefill), or fed much more data than last time (a bigger batch),
+# goes to a thread so the loop keeps serving.
+INLINE_RUN_S = 0.02
 INLINE_WALL_S = 0.05  # wall time beyond which CPU time is not trusted (other threads)
 INLINE_GROWTH = 2  # inline only while the feeds are at most this many times last run's
 

@@ -62,17 +62,26 @@ class StopStrings:
             return StopPiece("", stopped=True)
         text = self._held + delta
         match = _first_match(text, self._stops)
-        if match is not None:
+        keep = _partial_tail_start(text, self._stops)
+        if match is not None and match <= keep:
             self._stopped, self._held = True, ""
             return StopPiece(text[:match], stopped=True)
-        keep = _partial_tail_start(text, self._stops)
+        # No match yet, or one that a longer stop string starting earlier may still beat
+        # ("aba" must win over "b" in "ab|a"): hold from where that one would start.
         self._held = text[keep:]
         return StopPiece(text[:keep])
 
     def flush(self) -> str:
-        """Return the held tail: the sequence finished without completing a stop string."""
+        """Return the held tail: the sequence finished without completing another stop
+        string (one that matched inside the tail still cuts it)."""
         held, self._held = self._held, ""
-        return "" if self._stopped else held
+        if self._stopped:
+            return ""
+        match = _first_match(held, self._stops)
+        if match is not None:
+            self._stopped = True
+            return held[:match]
+        return held
 
 
 def _first_match(text: str, stops: Sequence[str]) -> int | None:
