@@ -40,6 +40,8 @@ STEP_FRAMES = (
     ("sample_rows", "sampling.py"),
     ("publish_raw", "broker.py"),
     ("_dispatch", "broker.py"),
+    ("data_received", "lean.py"),
+    ("publish", "lean.py"),
     ("encode", "codec.py"),
     ("decode", "codec.py"),
     ("select", "selectors.py"),

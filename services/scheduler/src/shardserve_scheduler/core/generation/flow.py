@@ -168,8 +168,12 @@ class Flow:
             return self.fail_step(run, step, ErrorCode.INTERNAL, problem, now)
         self._timed(run, step, now)
         self._retire(run, step)
-        actions = self._each_token(run, step, tokens, logprobs, now)
-        return actions + self.kick(run, run.lanes[step.lane], now)
+        chunks = self._each_token(run, step, tokens, logprobs, now)
+        # The lane's next step goes out before the chunks: the sender publishes in order,
+        # and the ranks then compute while the chunks are published (32 sequences: 32
+        # publishes off the step's critical path). The step already leaves out the
+        # sequences these tokens finished.
+        return self.kick(run, run.lanes[step.lane], now) + chunks
 
     @staticmethod
     def _count_problem(step: Step, tokens: tuple[int, ...]) -> str:
