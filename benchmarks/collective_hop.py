@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -150,32 +151,49 @@ async def _allreduces(
     return timings[:count]
 
 
+class _Arrivals:
+    """Counts the peer's messages; ``exchange`` times send-then-wait-for-the-peer rounds."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.changed = asyncio.Event()
+
+    def arrived(self, *_: object) -> None:
+        self.count += 1
+        self.changed.set()
+
+    async def exchange(self, count: int, send: Callable[[], Awaitable[None]]) -> list[float]:
+        """``count`` rounds: send, then wait for the peer's n-th message; ms of each."""
+        timings: list[float] = []
+        for n in range(count):
+            started = time.perf_counter()
+            await send()
+            while self.count <= n:
+                self.changed.clear()
+                await self.changed.wait()
+            timings.append((time.perf_counter() - started) * 1000)
+        return timings
+
+
 async def aiormq_rank(url: str, run: str, rank: int, size: int, count: int) -> list[float]:
     """``count`` exchanges of ``size`` bytes with raw aiormq; ms of each."""
     connection = await aiormq.connect(url)
     try:
         channel = await connection.channel()
-        arrived = 0
-        changed = asyncio.Event()
+        arrivals = _Arrivals()
 
-        async def on_message(_: DeliveredMessage) -> None:
-            nonlocal arrived
-            arrived += 1
-            changed.set()
+        async def on_message(message: DeliveredMessage) -> None:
+            arrivals.arrived(message)
 
         mine = _queue_name(run, rank)
         await channel.queue_declare(mine, auto_delete=True)
         await channel.basic_consume(mine, on_message, no_ack=True)
         peer, body = _queue_name(run, 1 - rank), bytes(size)
-        timings: list[float] = []
-        for n in range(count):
-            started = time.perf_counter()
+
+        async def send() -> None:
             await channel.basic_publish(body, routing_key=peer)
-            while arrived <= n:
-                changed.clear()
-                await changed.wait()
-            timings.append((time.perf_counter() - started) * 1000)
-        return timings
+
+        return await arrivals.exchange(count, send)
     finally:
         await connection.close()
 
@@ -183,29 +201,18 @@ async def aiormq_rank(url: str, run: str, rank: int, size: int, count: int) -> l
 async def lean_rank(url: str, run: str, rank: int, size: int, count: int) -> list[float]:
     """``count`` exchanges of ``size`` bytes over the lean connection alone (no parts, no
     hub): what the link adds to a hop is ``hub`` minus this."""
-    arrived = 0
-    changed = asyncio.Event()
-
-    def on_delivery(deliver: bytes, header: bytes, body: bytes) -> None:
-        nonlocal arrived
-        arrived += 1
-        changed.set()
-
+    arrivals = _Arrivals()
     connection = await lean.open_connection(
-        url, f"collhop-lean-{run}-r{rank}", on_delivery, heartbeat_s=10, timeout_s=10
+        url, f"collhop-lean-{run}-r{rank}", arrivals.arrived, heartbeat_s=10, timeout_s=10
     )
     try:
         await connection.consume(_queue_name(run, rank))
         peer, body = _queue_name(run, 1 - rank), bytes(size)
-        timings: list[float] = []
-        for n in range(count):
-            started = time.perf_counter()
+
+        async def send() -> None:
             connection.publish("", peer, [body])
-            while arrived <= n:
-                changed.clear()
-                await changed.wait()
-            timings.append((time.perf_counter() - started) * 1000)
-        return timings
+
+        return await arrivals.exchange(count, send)
     finally:
         await connection.close()
 

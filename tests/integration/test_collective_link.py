@@ -14,6 +14,7 @@ from dataclasses import replace
 import aio_pika
 import numpy as np
 import pytest
+import rabbitctl
 
 from shardserve.amqp.collective import CollectiveHub
 from shardserve.amqp.collective_link import CollectiveLink
@@ -136,19 +137,8 @@ async def test_garbage_on_a_collective_queue_comes_back_as_a_dead_letter(
     assert np.array_equal(sums[0], np.full(3, 2.0, np.float32))
 
 
-def _connection_pids(name: str) -> list[str]:
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    return [line.split("\t", 1)[0] for line in listing.splitlines() if f'"{name}"' in line]
-
-
 async def test_a_connection_the_broker_drops_is_made_again(pair: Pair) -> None:
-    [pid] = await asyncio.to_thread(_connection_pids, f"{pair.servable}-r1-parts")
+    [pid] = await asyncio.to_thread(rabbitctl.connection_pids, f"{pair.servable}-r1-parts")
     await asyncio.to_thread(
         subprocess.run,
         ["rabbitmqctl", "-q", "close_connection", pid, "test: dropped"],

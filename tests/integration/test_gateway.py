@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+import rabbitctl
 import tritonclient.http.aio as triton_aio
 from aio_pika.abc import AbstractIncomingMessage
 
@@ -314,19 +315,8 @@ async def test_mindspore_rest_and_status(
 
 
 def _gateway_connection_pids() -> list[str]:
-    listing = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "pid", "client_properties"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    pids = [
-        line.split("\t", 1)[0]
-        for line in listing.splitlines()
-        if f'{{"connection_name","{GATEWAY_ID}"}}' in line
-    ]
-    assert pids, f"no broker connection named {GATEWAY_ID}:\n{listing}"
+    pids = rabbitctl.connection_pids(GATEWAY_ID)
+    assert pids, f"no broker connection named {GATEWAY_ID}"
     return pids
 
 
