@@ -19,14 +19,7 @@ def token_chunk(
     sequence: Sequence, token: int, text: str, logprob: TokenLogprob | None
 ) -> SendChunk:
     """An ordinary chunk: one new token and the text it released."""
-    chunk = GenerateChunk(
-        id=sequence.request_id,
-        seq=sequence.take_chunk_number(),
-        token_ids=(token,),
-        text=text,
-        logprobs=() if logprob is None else (logprob,),
-    )
-    return _send(sequence.origin, chunk)
+    return _send(sequence.origin, _with_token(sequence, token, text, logprob))
 
 
 def last_chunk(
@@ -38,16 +31,29 @@ def last_chunk(
 ) -> SendChunk:
     """The end of a stream that finished: its last token, the rest of the text, usage."""
     sequence.closed = True
-    chunk = GenerateChunk(
+    usage = Usage(prompt_tokens=len(sequence.prompt), completion_tokens=len(sequence.generated))
+    chunk = _with_token(sequence, token, text, logprob, reason, usage)
+    return _send(sequence.origin, chunk)
+
+
+def _with_token(
+    sequence: Sequence,
+    token: int,
+    text: str,
+    logprob: TokenLogprob | None,
+    reason: Literal["stop", "length"] | None = None,
+    usage: Usage | None = None,
+) -> GenerateChunk:
+    """The sequence's next chunk, carrying one token (and the end, when ``reason``)."""
+    return GenerateChunk(
         id=sequence.request_id,
         seq=sequence.take_chunk_number(),
         token_ids=(token,),
         text=text,
         logprobs=() if logprob is None else (logprob,),
         finish_reason=reason,
-        usage=Usage(prompt_tokens=len(sequence.prompt), completion_tokens=len(sequence.generated)),
+        usage=usage,
     )
-    return _send(sequence.origin, chunk)
 
 
 def error_chunk(sequence: Sequence, code: ErrorCode, message: str) -> list[SendChunk]:
