@@ -24,8 +24,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_SCRIPT = ROOT / "tests" / "fixtures" / "hf" / "make_fixtures.py"
 EXPORTER = ROOT / "shared" / "src" / "shardserve" / "tools" / "export" / "hf"
-TORCH_PACKAGES = ("torch==2.13.0", "transformers", "safetensors", "tokenizers", "numpy", "aiohttp")
-BENCH_MODELS = ("bench-small", "bench-large")
+# onnxruntime-genai (its model builder and runtime) and sentencepiece (imported by
+# llama.cpp's GGUF converter) serve the peers; the converter's own ``gguf`` library comes
+# from the llama.cpp sources (``gen_llama_build.gguf_py``).
+TORCH_PACKAGES = (
+    "torch==2.13.0",
+    "transformers",
+    "safetensors",
+    "tokenizers",
+    "numpy",
+    "aiohttp",
+    "onnxruntime-genai",
+    "onnx",
+    "sentencepiece",
+)
+BENCH_MODELS = ("bench-small", "bench-large", "bench-125m")
 
 
 def cache_root() -> Path:
@@ -76,16 +89,28 @@ def checkpoints() -> Path:
     return folder
 
 
-def exported(model: str, rank_size: int, stage_size: int) -> Path:
-    """A model repository with ``model`` exported at this layout (version 1)."""
+def _shardserve() -> str:
+    return str(Path(sys.executable).parent / "shardserve")
+
+
+def exporter_quantizes() -> bool:
+    """Whether ``shardserve export hf`` has ``--quantize`` (int8 / int4 slices)."""
+    done = subprocess.run([_shardserve(), "export", "hf", "--help"], capture_output=True, text=True)
+    return "--quantize" in done.stdout
+
+
+def exported(model: str, rank_size: int, stage_size: int, quantize: str | None = None) -> Path:
+    """A model repository with ``model`` exported at this layout (version 1), its slices
+    quantized (``--quantize int8|int4``) when ``quantize`` is given."""
     key = f"{source_hash(FIXTURE_SCRIPT)}-{source_hash(EXPORTER)}"
-    repo = cache_root() / f"exports-{key}" / f"{model}-r{rank_size}-s{stage_size}"
+    suffix = f"-{quantize}" if quantize else ""
+    repo = cache_root() / f"exports-{key}" / f"{model}-r{rank_size}-s{stage_size}{suffix}"
     if (repo / model / "1" / "group.json").exists():
         return repo
-    shardserve = Path(sys.executable).parent / "shardserve"
-    command = [str(shardserve), "export", "hf", str(checkpoints() / model)]
+    command = [_shardserve(), "export", "hf", str(checkpoints() / model)]
     command += ["--rank-size", str(rank_size), "--stage-size", str(stage_size)]
     command += ["--out", str(repo), "--if-missing"]
-    print(f"  exporting {model} at {rank_size} rank(s), {stage_size} stage(s)", flush=True)
+    command += ["--quantize", quantize] if quantize else []
+    print(f"  exporting {model} at {rank_size} rank(s), {stage_size} stage(s){suffix}", flush=True)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return repo

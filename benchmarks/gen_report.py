@@ -30,10 +30,13 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def generation_ratios(results: dict[str, Any]) -> list[Ratio]:
+    from benchmarks.gen_bar_report import bar_ratios  # it imports fmt and Ratio from here
+
     labels = results.get("gen.targets")
     if not isinstance(labels, dict):
-        return []
+        return bar_ratios(results)
     return [
+        *bar_ratios(results),
         *_overhead(results, labels),
         *_batching(results, labels),
         _tensor_parallel(results, labels),
@@ -203,8 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
+    from benchmarks.gen_bar_report import bar_table
+
     [path] = argv if argv is not None else sys.argv[1:]
     results = json.loads(Path(path).read_text())["results"]
+    print("\n".join(bar_table(results)))
+    print()
     print("\n".join(markdown_table(results)))
     print("\n| target | value | bound | verdict |\n|---|---|---|---|")
     for ratio in generation_ratios(results):

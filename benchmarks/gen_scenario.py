@@ -95,17 +95,21 @@ def generate(run: Run) -> None:
     chosen = plans(run.quick)
     run.results["gen.targets"] = _target_labels(chosen)
     for plan in chosen:
-        _guarded(run, f"{plan.short} floor", partial(_floor, run, plan))
-        _guarded(run, f"{plan.short} peer", partial(_peer, run, plan))
+        guarded(run, f"{plan.short} floor", partial(_floor, run, plan))
+        guarded(run, f"{plan.short} peer", partial(_peer, run, plan))
         for target, (ranks, stages, env) in LAYOUTS.items():
             loads = [x for x in plan.loads if target == "mesh-tp1" or x.label in plan.reduced]
             mesh_part = partial(_mesh, run, plan, target, (ranks, stages), env, loads)
-            _guarded(run, f"{plan.short} {target}", mesh_part)
+            guarded(run, f"{plan.short} {target}", mesh_part)
+
+
+def raise_failures(run: Run) -> None:
+    """After every part ran: the scenario fails when any part did."""
     if run.results.get("gen.failed"):
         raise RuntimeError(f"{len(run.results['gen.failed'])} part(s) failed (see the notes)")
 
 
-def _guarded(run: Run, name: str, part: Callable[[], None]) -> None:
+def guarded(run: Run, name: str, part: Callable[[], None]) -> None:
     """One failing part (a peer that cannot start, a mesh that fails) must not lose the
     others' figures; the failure is a note of the run and fails the scenario at the end."""
     try:

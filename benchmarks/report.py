@@ -288,9 +288,11 @@ def allreduce_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], ratios: list[Ratio], notes: list[str]) -> str:
-    from benchmarks.gen_report import generation_table  # it imports Ratio from here
+    from benchmarks.gen_bar_report import bar_table  # they import Ratio from here
+    from benchmarks.gen_report import generation_table
 
-    parts = ["", *load_table(results), "", *generation_table(results), ""]
+    parts = ["", *load_table(results), "", *bar_table(results), "", *generation_table(results)]
+    parts += [""]
     parts += [*ratio_table(ratios), "", *facts_table(results)]
     parts += [f"note: {n}" for n in notes]
     return "\n".join(parts)

@@ -541,11 +541,16 @@ def loaded_from_log(text: str) -> list[tuple[float, str]]:
 
 
 def generate(run: Run) -> None:
-    """Text generation (``benchmarks.gen_scenario``): vLLM's serving metrics for two
-    Llama-shaped checkpoints on the mesh, against an in-process floor and transformers."""
+    """Text generation: vLLM's serving metrics for Llama-shaped checkpoints on the mesh,
+    against llama.cpp and onnxruntime-genai (``benchmarks.gen_bar``: the bar, first), an
+    in-process floor and transformers (``benchmarks.gen_scenario``)."""
+    from benchmarks.gen_bar import bar
     from benchmarks.gen_scenario import generate as generation_benchmark
+    from benchmarks.gen_scenario import raise_failures
 
+    bar(run)
     generation_benchmark(run)
+    raise_failures(run)
 
 
 SCENARIOS: dict[str, Callable[[Run], None]] = {
