@@ -29,7 +29,7 @@ from benchmarks.meshes import dedicated_vhost, running_mesh, service_pids
 from benchmarks.profile import parse_collapsed
 
 STEP_FRAMES = (
-    ("_run", "stepper.py"),
+    ("_run", "steps.py"),
     ("run_stage", "program.py"),
     ("run_sync", "program.py"),
     ("_attend", "program.py"),

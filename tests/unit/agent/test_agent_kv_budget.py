@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardserve_agent.kv_budget import (
+from shardserve_agent.generation.kv_budget import (
     DEFAULT_CAP_MB,
     MIB,
     SERVING_MB,

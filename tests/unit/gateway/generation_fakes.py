@@ -28,9 +28,9 @@ from shardserve.wire.protocol import (
     Usage,
 )
 from shardserve_gateway.app import create_app
+from shardserve_gateway.generation.streams import StreamTable
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.settings import GatewaySettings
-from shardserve_gateway.streams import StreamTable
 
 Script = Callable[[GenerateRequest], Sequence[GenerateChunk]]
 HELLO_DELTAS = ("Hel", "lo", ",", "", " wor", "ld")  # "" = bytes held back

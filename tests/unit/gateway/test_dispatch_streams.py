@@ -16,7 +16,7 @@ from shardserve.errors import DeadlineError, InternalError, OverloadedError, Una
 from shardserve.wire import topology
 from shardserve.wire.protocol import GenerateCancel, GenerateChunk, GenerateRequest
 from shardserve_gateway.dispatch import AmqpDispatcher
-from shardserve_gateway.streams import ChunkStream
+from shardserve_gateway.generation.streams import ChunkStream
 
 
 @dataclass

@@ -10,7 +10,7 @@ import pytest
 from generation_fakes import MakeGenGateway, chunks_of, gen_gateways, tiny_llm
 
 from shardserve.wire.protocol import RankStatus, Usage
-from shardserve_gateway.generation_metrics import GenerationMetrics, StreamTiming
+from shardserve_gateway.generation.metrics import GenerationMetrics, StreamTiming
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ from shardserve.repo.repository import (
     sha256_file,
     verify_rank_files,
 )
-from shardserve_agent.kv_budget import make_kv_cache
+from shardserve_agent.generation.kv_budget import make_kv_cache
 from shardserve_agent.memory_cap import prepare_memory
 from shardserve_agent.outsider import report_outside_rank
 from shardserve_agent.service import EXIT_REFUSED, AgentService

@@ -115,8 +115,10 @@ class AgentSettings:
     )
     share_weights: bool = option("--share-weights", True, kind="switch", help=SHARE_WEIGHTS_HELP)
     max_memory_mb: int | None = option("--max-memory-mb", parse=positive_int, help=MEMORY_HELP)
-    kv_cache_mb: int | None = option(  # None: from free memory and the cap (kv_budget.py)
-        "--kv-cache-mb", parse=positive_int, help=KV_CACHE_HELP
+    kv_cache_mb: int | None = (
+        option(  # None: from free memory and the cap (generation/kv_budget.py)
+            "--kv-cache-mb", parse=positive_int, help=KV_CACHE_HELP
+        )
     )
     heartbeat_interval: float = option(
         "--heartbeat-interval", 1.0, parse=positive_float, help="seconds between heartbeats"

@@ -6,7 +6,7 @@ job's collectives and never on each other crosswise. Errors become ``StageResult
 the worker itself never dies of a bad job.
 
 Generation steps (StepWork) and frees (SequencesFree) come on the same queue and take
-their turn in the same order; ``shardserve_agent.stepper`` runs them.
+their turn in the same order; ``shardserve_agent.generation.steps`` runs them.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from shardserve.wire.protocol import (
     StepWork,
 )
 from shardserve.wire.tensors import Tensor
+from shardserve_agent.generation.steps import Stepper
 from shardserve_agent.slice_loader import LoadedSlice
-from shardserve_agent.stepper import Stepper
 from shardserve_agent.work_checks import (
     describe_failure,
     digest_problem,

@@ -21,7 +21,7 @@ from aiohttp import web
 from shardserve.errors import BadInputError, InferenceError
 from shardserve.wire.protocol import GenerateChunk, GenerateRequest, Usage
 from shardserve_gateway.codecs.body import read_body
-from shardserve_gateway.generation import (
+from shardserve_gateway.generation.requests import (
     Generated,
     collect,
     first_chunk,
@@ -29,8 +29,8 @@ from shardserve_gateway.generation import (
     stream_error,
     timed,
 )
+from shardserve_gateway.generation.sse import cancel_on_disconnect, event, open_event_stream
 from shardserve_gateway.responses import json_response
-from shardserve_gateway.sse import cancel_on_disconnect, event, open_event_stream
 from shardserve_gateway.state import DISPATCHER_KEY, SETTINGS_KEY
 
 _logger = logging.getLogger(__name__)

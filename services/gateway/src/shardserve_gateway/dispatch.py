@@ -65,7 +65,7 @@ from shardserve.wire.protocol import (
     RepositoryCommand,
 )
 from shardserve_gateway.bundler import Outgoing, RequestBundler
-from shardserve_gateway.streams import ChunkStream, StreamTable
+from shardserve_gateway.generation.streams import ChunkStream, StreamTable
 
 _logger = logging.getLogger(__name__)
 

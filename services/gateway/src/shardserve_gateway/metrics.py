@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from shardserve.wire.protocol import MeshStatus
-from shardserve_gateway.generation_metrics import GenerationMetrics
+from shardserve_gateway.generation.metrics import GenerationMetrics
 from shardserve_gateway.mesh_metrics import render_mesh
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (

@@ -21,8 +21,8 @@ from shardserve.errors import InferenceError
 from shardserve.wire.protocol import GenerateChunk, SamplingParams, Usage
 from shardserve_gateway.answer import Json, answer, json_body
 from shardserve_gateway.codecs.openai_requests import DEFAULT_MAX_TOKENS, parse
-from shardserve_gateway.generation import Generated, generate_request, generation_servable
-from shardserve_gateway.generation import request_deadline as deadline_of
+from shardserve_gateway.generation.requests import Generated, generate_request, generation_servable
+from shardserve_gateway.generation.requests import request_deadline as deadline_of
 from shardserve_gateway.responses import error_body
 from shardserve_gateway.routes.kserve import parse_version
 

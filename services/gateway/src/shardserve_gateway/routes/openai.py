@@ -27,10 +27,10 @@ from shardserve_gateway.answer import Json, answer, json_body
 from shardserve_gateway.codecs import openai_responses as shapes
 from shardserve_gateway.codecs.openai_requests import ChatBody, CompletionBody, ParamError, parse
 from shardserve_gateway.errors import HttpError
-from shardserve_gateway.generation import Generated, generate_request, generation_servable
-from shardserve_gateway.generation import request_deadline as deadline_of
+from shardserve_gateway.generation.requests import Generated, generate_request, generation_servable
+from shardserve_gateway.generation.requests import request_deadline as deadline_of
+from shardserve_gateway.generation.sse import DONE, event
 from shardserve_gateway.responses import json_response
-from shardserve_gateway.sse import DONE, event
 from shardserve_gateway.state import MESH_VIEW_KEY
 
 _logger = logging.getLogger(__name__)

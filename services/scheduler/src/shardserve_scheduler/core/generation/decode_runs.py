@@ -5,7 +5,7 @@ StepResult back) and the scheduler's bookkeeping, while the agents wait. In a de
 (vLLM's "multi-step scheduling") the ranks of a one-stage group run K steps in a row,
 each feeding back the tokens the last one sampled; the leader streams each iteration's
 tokens, and the scheduler checks the ranks' agreement once, at the end
-(``StepWork.decode_steps``, ``shardserve_agent.decode_run``).
+(``StepWork.decode_steps``, ``shardserve_agent.generation.decode_runs``).
 
 The rule (``decode_steps``): K > 1 only when the group has one stage, every row of the
 step is a decode row (no sequence of the lane still has prompt to send) and no sequence

@@ -49,7 +49,7 @@ from shardserve.wire.protocol import (
     TokenLogprob,
 )
 from shardserve.wire.tensors import Tensor
-from shardserve_agent.decode_run import (
+from shardserve_agent.generation.decode_runs import (
     Iteration,
     OffsetCollective,
     collectives_per_run,

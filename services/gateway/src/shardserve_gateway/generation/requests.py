@@ -34,7 +34,7 @@ from shardserve.wire.protocol import (
     Usage,
 )
 from shardserve_gateway.dispatch import choose_timeout
-from shardserve_gateway.generation_metrics import StreamTiming
+from shardserve_gateway.generation.metrics import StreamTiming
 from shardserve_gateway.mesh_view import require_ready
 from shardserve_gateway.state import (
     INFER_LABELS_KEY,

@@ -1,0 +1,1 @@
+"""Generation in the gateway: the request sent, its chunk stream, SSE, token metrics."""
