@@ -105,14 +105,15 @@ class Load:
 
 def _start_mesh(repo: Path, amqp_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "SHARDSERVE_AMQP_URL": amqp_url, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [SHARDSERVE, "up", str(repo), "--http-port", str(port), "--grace-seconds", "5"],
-        env=env,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(
+            [SHARDSERVE, "up", str(repo), "--http-port", str(port), "--grace-seconds", "5"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _ready(base: str) -> int:

@@ -100,7 +100,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory, names: dict[str, str]) -> Pat
 def scheduler(
     repo: Path, isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[subprocess.Popen[bytes]]:
-    log = (tmp_path_factory.mktemp("sched") / "scheduler.log").open("wb")
+    log_path = tmp_path_factory.mktemp("sched") / "scheduler.log"
     src = str(Path(shardserve_scheduler.__file__).resolve().parents[1])
     env = {
         **os.environ,
@@ -119,12 +119,12 @@ def scheduler(
         "--status-interval",
         "0.3",
     ]
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    with log_path.open("wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     yield proc
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
-    log.close()
 
 
 class FakeMesh:

@@ -163,14 +163,15 @@ class Process:
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path) -> Process:
-    proc = subprocess.Popen(
-        argv,
-        env=env,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    with log.open("ab") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     return Process(proc, log)
 
 

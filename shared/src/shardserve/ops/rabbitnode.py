@@ -124,15 +124,16 @@ class RabbitNode:
 
     def start(self, wait: bool = True) -> None:
         self._prepare()
-        log = (self.folder / "server.out").open("ab")
-        self.proc = subprocess.Popen(
-            self._wrap([str(RABBIT_BIN / "rabbitmq-server")]),
-            env=self.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        # The server keeps its own copy of the descriptor; ours is closed at once.
+        with (self.folder / "server.out").open("ab") as log:
+            self.proc = subprocess.Popen(
+                self._wrap([str(RABBIT_BIN / "rabbitmq-server")]),
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         if wait:
             self.wait_started()
 
