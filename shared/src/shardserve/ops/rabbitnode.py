@@ -167,8 +167,8 @@ class RabbitNode:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.ctl("stop", check=False, timeout=30)
-            try:
+            try:  # a loaded host may not answer rabbitmqctl in time: then kill it
+                self.ctl("stop", check=False, timeout=30)
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
