@@ -22,6 +22,7 @@ from generation_fakes import (
 )
 
 from shardserve.client import AsyncClient, Client
+from shardserve.client.generation import request_body
 from shardserve.errors import (
     BadInputError,
     DeadlineError,
@@ -67,6 +68,18 @@ async def test_sync_client_text_and_stream(gw: GenGateway) -> None:
     text, deltas = await asyncio.to_thread(run)
     assert text == HELLO == "".join(deltas)
     assert gw.scheduler.requests[0].version == 2  # version 0: the gateway picks the highest
+
+
+def test_an_unknown_option_is_refused_by_name_before_anything_is_sent() -> None:
+    """The options are one TypedDict (shared by both clients); a misspelt one is a
+    TypeError naming it, as a keyword-only parameter's would be."""
+    with pytest.raises(TypeError, match=r"unknown options \['max_token'\]"):
+        request_body("Say", {"max_token": 3})  # type: ignore[typeddict-unknown-key]
+
+
+def test_options_left_out_are_the_servers_defaults() -> None:
+    body = request_body("Say", {"stop": "!", "ignore_eos": False, "top_p": None})
+    assert body == {"text_input": "Say", "parameters": {"max_tokens": 16, "stop": ["!"]}}
 
 
 async def test_typed_errors_before_the_stream(make_gen_gateway: MakeGenGateway) -> None:

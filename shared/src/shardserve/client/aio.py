@@ -15,7 +15,7 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal, overload
+from typing import Any, Literal, Unpack, overload
 from urllib.parse import quote
 
 import aiohttp
@@ -211,66 +211,25 @@ class AsyncClient:
         self,
         prompt: str,
         *,
-        max_tokens: int = ...,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
         stream: Literal[False] = ...,
-        request_id: str | None = ...,
+        **options: Unpack[generation.GenerateOptions],
     ) -> str: ...
 
     @overload
     async def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = ...,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        stream: Literal[True],
-        request_id: str | None = ...,
+        self, prompt: str, *, stream: Literal[True], **options: Unpack[generation.GenerateOptions]
     ) -> AsyncIterator[str]: ...
 
     async def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = 16,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        stream: bool = False,
-        request_id: str | None = None,
+        self, prompt: str, *, stream: bool = False, **options: Unpack[generation.GenerateOptions]
     ) -> str | AsyncIterator[str]:
         """Generate text from ``prompt``: the whole text, or with ``stream=True`` an async
-        iterator of text deltas (joined, the same text). ``temperature`` 0 is greedy;
-        None leaves a parameter to the server. Raises an InferenceError subclass (before
-        or during the stream); ``timeout`` bounds the whole generation."""
-        body = generation.request_body(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-        )
-        headers = generation.request_headers(self.timeout, request_id)
+        iterator of text deltas (joined, the same text). The options are
+        ``generation.GenerateOptions``: ``temperature`` 0 is greedy; None leaves a
+        parameter to the server. Raises an InferenceError subclass (before or during the
+        stream); ``timeout`` bounds the whole generation."""
+        body = generation.request_body(prompt, options)
+        headers = generation.request_headers(self.timeout, options.get("request_id"))
         url = generation.generate_url(
             self.base_url, self.servable_name, self.version_number, stream=stream
         )

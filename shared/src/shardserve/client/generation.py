@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import Any, TypedDict
 from urllib.parse import quote
 
 import aiohttp
@@ -33,29 +33,43 @@ def generate_url(base_url: str, servable: str, version: int, *, stream: bool) ->
     return f"{model}/generate_stream" if stream else f"{model}/generate"
 
 
-def request_body(
-    prompt: str,
-    *,
-    max_tokens: int,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    stop: str | Sequence[str] | None,
-    stop_token_ids: Sequence[int] | None,
-    ignore_eos: bool,
-) -> dict[str, Any]:
-    """The generate body; parameters left as None are the server's defaults."""
+class GenerateOptions(TypedDict, total=False):
+    """The keyword options of ``generate`` (both clients), declared once here.
+
+    ``max_tokens`` defaults to 16; a sampling option left out (or None) is the server's
+    default. ``temperature`` 0 is greedy. ``request_id`` travels as ``X-Request-Id``."""
+
+    max_tokens: int
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: Sequence[int] | None
+    ignore_eos: bool
+    request_id: str | None
+
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def request_body(prompt: str, options: GenerateOptions) -> dict[str, Any]:
+    """The generate body; parameters left out or None are the server's defaults."""
+    unknown = sorted(set(options) - GenerateOptions.__optional_keys__)
+    if unknown:  # **options checks no names at run time: say which one is wrong
+        raise TypeError(f"generate() got unknown options {unknown}")
+    stop = options.get("stop")
     stops = [stop] if isinstance(stop, str) else (list(stop) if stop is not None else None)
+    stop_token_ids = options.get("stop_token_ids")
     parameters = {
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "top_k": top_k,
-        "seed": seed,
+        "max_tokens": options.get("max_tokens", DEFAULT_MAX_TOKENS),
+        "temperature": options.get("temperature"),
+        "top_p": options.get("top_p"),
+        "top_k": options.get("top_k"),
+        "seed": options.get("seed"),
         "stop": stops,
         "stop_token_ids": list(stop_token_ids) if stop_token_ids is not None else None,
-        "ignore_eos": ignore_eos or None,
+        "ignore_eos": options.get("ignore_eos") or None,
     }
     return {
         "text_input": prompt,

@@ -16,9 +16,10 @@ import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Coroutine, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, Unpack, overload
 
 from shardserve.client.aio import AsyncClient, Result, TlsOption
+from shardserve.client.generation import GenerateOptions
 
 T = TypeVar("T")
 
@@ -153,36 +154,18 @@ class Client:
         self,
         prompt: str,
         *,
-        max_tokens: int = ...,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
         stream: Literal[False] = ...,
-        request_id: str | None = ...,
+        **options: Unpack[GenerateOptions],
     ) -> str: ...
 
     @overload
     def generate(
-        self,
-        prompt: str,
-        *,
-        max_tokens: int = ...,
-        temperature: float | None = ...,
-        top_p: float | None = ...,
-        top_k: int | None = ...,
-        seed: int | None = ...,
-        stop: str | Sequence[str] | None = ...,
-        stop_token_ids: Sequence[int] | None = ...,
-        ignore_eos: bool = ...,
-        stream: Literal[True],
-        request_id: str | None = ...,
+        self, prompt: str, *, stream: Literal[True], **options: Unpack[GenerateOptions]
     ) -> Iterator[str]: ...
 
-    def generate(self, prompt: str, *, stream: bool = False, **options: Any) -> str | Iterator[str]:
+    def generate(
+        self, prompt: str, *, stream: bool = False, **options: Unpack[GenerateOptions]
+    ) -> str | Iterator[str]:
         """Generate text (see ``AsyncClient.generate``): the text, or with ``stream=True``
         an iterator of text deltas; leaving the iteration early cancels the generation."""
         if not stream:
