@@ -131,8 +131,9 @@ def _ortgenai(run: Run, plan: BarPlan) -> None:
     model = ortgenai_model()
     rss = 0.0
     for load, batch in ((plan.c1, 1), (plan.c32, 32)):
-        count = batch * (1 + (load.requests if batch == 1 else 1))  # one warm-up batch first
-        prompts = random_prompts(count, load.input_len, load.seed)
+        # the client's measured prompts (it sends ``load.warmup`` others first)
+        prompts = random_prompts(load.warmup + load.requests, load.input_len, load.seed)
+        prompts = prompts[load.warmup :]
         path = run.work / f"ortgenai-prompts-{batch}.json"
         path.write_text(json.dumps(prompts))
         args = ["run", "--prompts", str(path), "--output-len", str(load.output_len)]

@@ -36,6 +36,7 @@ TORCH_PACKAGES = (
     "aiohttp",
     "onnxruntime-genai",
     "onnx",
+    "onnx-ir",  # the model builder's
     "sentencepiece",
 )
 BENCH_MODELS = ("bench-small", "bench-large", "bench-125m")
@@ -59,18 +60,21 @@ def source_hash(*paths: Path) -> str:
 
 def torch_python() -> Path:
     """The torch environment's interpreter, created on first use (pip finds torch 2.13.0
-    CPU as a local wheel); an unfinished environment is made again."""
+    CPU as a local wheel); an unfinished environment is made again, and one made with
+    another package list gets the packages it lacks."""
     env = cache_root() / "torch-env"
     python = env / "bin" / "python"
-    if (env / ".ready").exists():
+    ready, wanted = env / ".ready", "\n".join(TORCH_PACKAGES) + "\n"
+    if ready.exists() and ready.read_text() == wanted:
         return python
-    shutil.rmtree(env, ignore_errors=True)
-    env.parent.mkdir(parents=True, exist_ok=True)
-    print(f"  making the torch environment {env} (several minutes)", flush=True)
-    base = getattr(sys, "_base_executable", sys.executable)
-    subprocess.run([base, "-m", "venv", str(env)], check=True)
+    if not ready.exists():
+        shutil.rmtree(env, ignore_errors=True)
+        env.parent.mkdir(parents=True, exist_ok=True)
+        print(f"  making the torch environment {env} (several minutes)", flush=True)
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(env)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *TORCH_PACKAGES], check=True)
-    (env / ".ready").write_text("ok\n")
+    ready.write_text(wanted)
     return python
 
 
