@@ -37,6 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-125m"
 THREADS = 2
 NO_QUANTIZE = "not available: exporter has no --quantize"
+# system -> (precision, ranks, threads per rank): THREADS in all, as every other system gets
+# (``--threads 2`` at TP 1, 1 per rank at TP 2); TP 1 at 1 thread for reference.
+MESHES = {
+    "mesh-tp1-fp32": ("fp32", 1, THREADS),
+    "mesh-tp1-int8": ("int8", 1, THREADS),
+    "mesh-tp1-int4": ("int4", 1, THREADS),
+    "mesh-tp2-fp32": ("fp32", 2, THREADS // 2),
+    "mesh-tp1-fp32-1t": ("fp32", 1, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,11 @@ class BarPlan:
 
 
 def bar_plan(quick: bool) -> BarPlan:
+    """c1 and c32 on prompts of their own (seeds 0 and 1): llama-server would otherwise
+    find c32's first prompts in its prompt cache, left there by c1."""
     out = 32 if quick else 128
-    return BarPlan(
-        GenLoad(128, out, 2 if quick else 3, 1, warmup=1), GenLoad(128, out, 32, 32, warmup=1)
-    )
+    c1 = GenLoad(128, out, 2 if quick else 3, 1, warmup=1)
+    return BarPlan(c1, GenLoad(128, out, 32, 32, warmup=1, seed=1))
 
 
 def bar(run: Run) -> None:
@@ -64,9 +74,9 @@ def bar(run: Run) -> None:
     for precision in gen_llama.PRECISIONS:
         guarded(run, f"llama.cpp {precision}", partial(_llama, run, plan, precision))
     guarded(run, "onnxruntime-genai", partial(_ortgenai, run, plan))
-    for precision in ("fp32", "int8", "int4"):
-        guarded(run, f"mesh TP1 {precision}", partial(_mesh, run, plan, precision, 1))
-    guarded(run, "mesh TP2 fp32", partial(_mesh, run, plan, "fp32", 2))
+    for system, (precision, ranks, threads) in MESHES.items():
+        part = partial(_mesh, run, plan, system, precision, (ranks, threads))
+        guarded(run, system, part)
 
 
 def _bandwidth(run: Run) -> None:
@@ -88,7 +98,9 @@ def _llama(run: Run, plan: BarPlan, precision: str) -> None:
     log = run.logs / f"llama-server-{precision}.log"
     with gen_llama.running_server(gguf, THREADS, plan.tokens_per_sequence, log) as (url, server):
         for load in (plan.c1, plan.c32):
-            traces = asyncio.run(run_gen_load(url, MODEL, load))
+            # llama-server dropped a reused keep-alive connection now and then
+            # (ServerDisconnectedError): a connection per request, as vLLM's client
+            traces = asyncio.run(run_gen_load(url, MODEL, load, fresh_connections=True))
             record(run, f"gen.bar.{system}.{load.label}", summarize_traces(traces))
         rss = round(rss_bytes(server.pid) / 2**20, 1)
     _info(run, system, precision=precision, rss_mb=rss, weight_bytes_per_token=weights)
@@ -149,8 +161,8 @@ def _ortgenai(run: Run, plan: BarPlan) -> None:
 # ---------------------------------------------------------------- the mesh
 
 
-def _mesh(run: Run, plan: BarPlan, precision: str, ranks: int) -> None:
-    system = f"mesh-tp{ranks}-{precision}"
+def _mesh(run: Run, plan: BarPlan, system: str, precision: str, layout: tuple[int, int]) -> None:
+    ranks, threads = layout
     quantize = None if precision == "fp32" else precision
     if quantize and not gen_models.exporter_quantizes():
         _info(run, system, precision=precision, skipped=NO_QUANTIZE)
@@ -158,8 +170,7 @@ def _mesh(run: Run, plan: BarPlan, precision: str, ranks: int) -> None:
         print(f"  {system}: {NO_QUANTIZE}", flush=True)
         return
     repo = gen_models.exported(MODEL, ranks, 1, quantize=quantize)
-    # THREADS in all, as every other system gets: ``--threads 2`` at TP 1, 1 per rank at TP 2
-    up_args = ("--threads", str(THREADS // ranks))
+    up_args = ("--threads", str(threads))
     with running_mesh(
         repo, run.amqp_url, run.logs, env=MESH_ENV, up_args=up_args, ready_timeout=600
     ) as mesh:
@@ -179,5 +190,6 @@ def _mesh(run: Run, plan: BarPlan, precision: str, ranks: int) -> None:
         weight_bytes_per_token=weights,
         memory=memory,
         kv_budget_mb=KV_CACHE_MB,
-        threads_per_rank=THREADS // ranks,
+        threads=ranks * threads,
+        threads_per_rank=threads,
     )

@@ -26,6 +26,7 @@ SYSTEMS = {  # result key -> what the table calls it
     "mesh-tp1-int8": "shardserve TP 1 int8",
     "mesh-tp1-int4": "shardserve TP 1 int4",
     "mesh-tp2-fp32": "shardserve TP 2 (1 thread per rank)",
+    "mesh-tp1-fp32-1t": "shardserve TP 1, 1 thread (reference)",
 }
 
 
@@ -127,7 +128,7 @@ def bar_table(r: dict[str, Any]) -> list[str]:
             fmt(weights / 1e6 if weights else None),
             fmt(bytes_floor(r, system)),
             fmt(_figure(r, system, c32, "output_throughput")),
-            fmt(info.get("rss_mb")),
+            fmt(info.get("rss_mb"), 4),
         ]
         lines.append(f"| {name} | {info['precision']} | {info['threads']} | {' | '.join(cells)} |")
     return lines

@@ -106,12 +106,18 @@ def _take_line(trace: Trace, line: bytes, now: float) -> None:
         trace.output_tokens = int(usage.get("completion_tokens", 0))
 
 
-async def run_gen_load(base_url: str, model: str, load: GenLoad) -> list[Trace]:
-    """Warm-up requests one after another, then the measured ones; their traces."""
+async def run_gen_load(
+    base_url: str, model: str, load: GenLoad, *, fresh_connections: bool = False
+) -> list[Trace]:
+    """Warm-up requests one after another, then the measured ones; their traces.
+    ``fresh_connections``: one connection per request (as vLLM's client opens a session per
+    request), for a server that closes idle keep-alive connections under the client."""
     url = f"{base_url}/v1/completions"
     prompts = random_prompts(load.warmup + load.requests, load.input_len, load.seed)
     timeout = aiohttp.ClientTimeout(total=3600)
-    connector = aiohttp.TCPConnector(limit=max(load.max_concurrency, 1))
+    connector = aiohttp.TCPConnector(
+        limit=max(load.max_concurrency, 1), force_close=fresh_connections
+    )
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for prompt in prompts[: load.warmup]:
             await stream_one(session, url, completion_body(model, prompt, load.output_len), 0)
