@@ -26,7 +26,15 @@ from typing import Any
 from benchmarks import gen_llama, gen_models
 from benchmarks.gen_client import GenLoad, random_prompts, run_gen_load
 from benchmarks.gen_metrics import Trace, summarize_traces
-from benchmarks.gen_scenario import KV_CACHE_MB, MESH_ENV, guarded, memory_facts, record
+from benchmarks.gen_scenario import (
+    KV_CACHE_MB,
+    MESH_ENV,
+    guarded,
+    memory_facts,
+    rank_totals,
+    record,
+    step_budget,
+)
 from benchmarks.gen_triad import measure_bandwidth
 from benchmarks.meshes import running_mesh
 from benchmarks.scenarios import Run
@@ -38,7 +46,8 @@ MODEL = "bench-125m"
 THREADS = 2
 NO_QUANTIZE = "not available: exporter has no --quantize"
 # system -> (precision, ranks, threads per rank): THREADS in all, as every other system gets
-# (``--threads 2`` at TP 1, 1 per rank at TP 2); TP 1 at 1 thread for reference.
+# (``--threads 2`` at TP 1, 1 per rank at TP 2: stated, not left to ``auto``, whose share
+# changed as the mesh learned to use every core); TP 1 at 1 thread for reference.
 MESHES = {
     "mesh-tp1-fp32": ("fp32", 1, THREADS),
     "mesh-tp1-int8": ("int8", 1, THREADS),
@@ -175,8 +184,11 @@ def _mesh(run: Run, plan: BarPlan, system: str, precision: str, layout: tuple[in
         repo, run.amqp_url, run.logs, env=MESH_ENV, up_args=up_args, ready_timeout=600
     ) as mesh:
         for load in (plan.c1, plan.c32):
+            before = rank_totals(mesh, MODEL)
             traces = asyncio.run(run_gen_load(mesh.http_url, MODEL, load))
-            record(run, f"gen.bar.{system}.{load.label}", summarize_traces(traces))
+            summary = summarize_traces(traces)
+            summary["rank_step_ms"] = step_budget(before, rank_totals(mesh, MODEL))
+            record(run, f"gen.bar.{system}.{load.label}", summary)
         time.sleep(1.5)  # a heartbeat carries the KV figures after the loads
         memory = memory_facts(repo, MODEL, mesh)
     folder = repo / MODEL / "1"

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,13 @@ class _OneRank(GatherCollective):
 class FloorModel:
     """The rank-1 group's one stage with its sessions and a KV cache."""
 
-    def __init__(self, repo: Path, model: str, kv_bytes: int) -> None:
+    def __init__(
+        self,
+        repo: Path,
+        model: str,
+        kv_bytes: int,
+        make_session: Callable[[Path], ort.InferenceSession] = one_thread_session,
+    ) -> None:
         self.group: GroupConfig = load_group(repo, model, 1)
         if self.group.rank_size != 1:
             raise SystemExit(f"the floor runs the unsliced model (rank 1), not {repo}")
@@ -58,7 +65,7 @@ class FloorModel:
         files = verify_rank_files(repo, self.group, 0)
         runs = {op.file for op in self.stage.program if isinstance(op, RunOp)}
         self.runners = {
-            name: OrtSegment(one_thread_session(path), run_in_thread=False)
+            name: OrtSegment(make_session(path), run_in_thread=False)
             for name, path in files.items()
             if name in runs
         }

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE_SCRIPT = ROOT / "tests" / "fixtures" / "hf" / "make_fixtures.py"
 EXPORTER = ROOT / "shared" / "src" / "shardserve" / "tools" / "export" / "hf"
+QUANTIZER = ROOT / "shared" / "src" / "shardserve" / "tools" / "quantize"
 # onnxruntime-genai (its model builder and runtime) and sentencepiece (imported by
 # llama.cpp's GGUF converter) serve the peers; the converter's own ``gguf`` library comes
 # from the llama.cpp sources (``gen_llama_build.gguf_py``).
@@ -106,7 +107,8 @@ def exporter_quantizes() -> bool:
 def exported(model: str, rank_size: int, stage_size: int, quantize: str | None = None) -> Path:
     """A model repository with ``model`` exported at this layout (version 1), its slices
     quantized (``--quantize int8|int4``) when ``quantize`` is given."""
-    key = f"{source_hash(FIXTURE_SCRIPT)}-{source_hash(EXPORTER)}"
+    writers = [path for path in (EXPORTER, QUANTIZER) if path.exists()]
+    key = f"{source_hash(FIXTURE_SCRIPT)}-{source_hash(*writers)}"
     suffix = f"-{quantize}" if quantize else ""
     repo = cache_root() / f"exports-{key}" / f"{model}-r{rank_size}-s{stage_size}{suffix}"
     if (repo / model / "1" / "group.json").exists():

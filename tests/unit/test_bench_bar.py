@@ -223,3 +223,20 @@ def test_bar_table_rows_and_the_bytes_floor() -> None:
 def test_no_bar_run_no_ratios_no_table() -> None:
     assert bar_ratios({}) == []
     assert bar_table({}) == []
+
+
+# ---------------------------------------------------------------- onnxruntime's profile
+
+
+def test_profile_kernel_time_per_op_type() -> None:
+    from benchmarks.gen_ort_profile import op_totals_ms
+
+    events = [
+        {"cat": "Node", "name": "mm1_kernel_time", "dur": 1500, "args": {"op_name": "MatMul"}},
+        {"cat": "Node", "name": "mm2_kernel_time", "dur": 500, "args": {"op_name": "MatMul"}},
+        {"cat": "Node", "name": "add_kernel_time", "dur": 250, "args": {"op_name": "Add"}},
+        {"cat": "Node", "name": "mm1_fence_before", "dur": 900, "args": {"op_name": "MatMul"}},
+        {"cat": "Session", "name": "model_run", "dur": 9000, "args": {}},
+    ]
+    assert op_totals_ms(events) == {"MatMul": 2.0, "Add": 0.25}
+    assert list(op_totals_ms(events)) == ["MatMul", "Add"]  # largest first
