@@ -214,8 +214,7 @@ def test_rows_and_logits_must_agree() -> None:
 
 def reference_sample(logits: np.ndarray, r: RowSampling) -> int:
     """The rule of the module docstring with a full stable sort and no shortcut."""
-    scaled = logits.astype(np.float64) / r.temperature
-    weights = np.exp(scaled - scaled.max())
+    weights = np.exp((logits.astype(np.float64) - logits.max()) / r.temperature)
     order = np.argsort(-weights, kind="stable")
     cut = 0 < r.top_k < len(logits)
     if cut:
@@ -285,3 +284,16 @@ def test_greedy_on_transformers_logits_gives_transformers_tokens(model: str) -> 
         for entry in logprobs:
             assert entry is not None and entry.top[0].token_id == entry.token_id
             assert entry.top[0].logprob > entry.top[1].logprob  # the fixtures' margin > 1e-2
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (0, 0.9), (5, 1.0), (5, 0.9)])
+def test_a_subnormal_temperature_samples_the_argmax(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """Logits divided by a subnormal temperature overflowed to inf - inf = NaN: an empty
+    nucleus (IndexError) or a garbage token. The shift before the division cannot."""
+    logits = logits_rows(4, 1000, seed=3)
+    rows = [row(seq=i, temperature=temperature, top_k=top_k, top_p=top_p) for i in range(4)]
+    tokens, _ = sample_rows(logits, rows)
+    assert tokens == np.argmax(logits, axis=1).tolist()

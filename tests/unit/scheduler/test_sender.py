@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 from shardserve.wire import topology
-from shardserve.wire.protocol import InferReply, InferReplyBundle, StageWork
+from shardserve.wire.protocol import GenerateChunk, InferReply, InferReplyBundle, StageWork
 from shardserve.wire.tensors import Tensor
-from shardserve_scheduler.core.actions import PublishStageWork, Reply
+from shardserve_scheduler.core.actions import PublishStageWork, Reply, SendChunk
 from shardserve_scheduler.sender import ActionSender, CancelConsumer
 
 
@@ -94,3 +94,34 @@ async def test_queues_never_seen_sending_bundles_get_plain_replies() -> None:
     broker = RecordingBroker()
     await drain(sender_for(broker), reply("other", 1), reply("other", 2))
     assert [type(m).__name__ for _, _, m in broker.sent] == ["InferReply", "InferReply"]
+
+
+class ConfirmingBroker:
+    """Records each publish's start and its confirm (a turn of the loop later) and whether
+    it asked for a confirm; chunks of different streams may overlap, one stream's never."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int, bool]] = []
+
+    async def publish(self, exchange: str, key: str, message: Any, **props: Any) -> None:
+        stream = props.get("correlation_id", "")
+        self.events.append(("start", stream, message.seq, bool(props.get("confirm"))))
+        await asyncio.sleep(0)
+        self.events.append(("confirmed", stream, message.seq, bool(props.get("confirm"))))
+
+
+def chunk(stream: str, seq: int, last: bool = False) -> SendChunk:
+    message = GenerateChunk(id=stream, seq=seq, text="t", finish_reason="length" if last else None)
+    return SendChunk("replies", stream, message)
+
+
+async def test_a_streams_chunks_all_confirmed_each_after_the_one_before() -> None:
+    broker = ConfirmingBroker()
+    steps = [[chunk(s, seq, last=seq == 2) for s in ("a", "b")] for seq in range(3)]
+    await drain(sender_for(broker), *(c for step in steps for c in step))  # type: ignore[arg-type]
+    assert all(confirm for *_, confirm in broker.events)  # one channel: the confirm one
+    for stream in ("a", "b"):
+        mine = [(what, seq) for what, s, seq, _ in broker.events if s == stream]
+        assert mine == [(w, seq) for seq in range(3) for w in ("start", "confirmed")]
+    # the two streams' chunks of one step leave together, not one round trip each
+    assert [what for what, *_ in broker.events[:4]] == ["start", "start", "confirmed", "confirmed"]

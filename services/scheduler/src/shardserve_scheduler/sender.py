@@ -56,6 +56,28 @@ class SendVerdict:
 Outgoing = Action | CancelConsumer | SendVerdict
 
 
+class ChunkWave:
+    """Chunks to publish together: at most one per stream, so that a stream's chunks
+    never race each other (its next chunk goes in the next wave, after this one's
+    confirms); chunks of different streams may leave in any order."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[str, str], SendChunk] = {}
+
+    def takes(self, chunk: SendChunk) -> bool:
+        """Add ``chunk`` unless its stream already has one here (False: send this wave)."""
+        stream = (chunk.reply_to, chunk.correlation_id)
+        if stream in self._chunks:
+            return False
+        self._chunks[stream] = chunk
+        return True
+
+    def take_all(self) -> list[SendChunk]:
+        chunks = list(self._chunks.values())
+        self._chunks.clear()
+        return chunks
+
+
 # Reply queues remembered as bundle-capable; gateways come and go (each restart is a new
 # queue), so the oldest are forgotten past this many (they then get plain replies).
 MAX_BUNDLE_QUEUES = 1024
@@ -114,7 +136,14 @@ class ActionSender:
         run (or a consumer cancel) and leave bundled per queue. The next job's StageWork,
         produced by the same result, so reaches the ranks before the replies are packed."""
         replies: dict[str, list[Reply]] = {}
+        wave = ChunkWave()
         for item in items:
+            if isinstance(item, SendChunk) and wave.takes(item):
+                continue
+            await self._send_wave(wave)
+            if isinstance(item, SendChunk):
+                wave.takes(item)
+                continue
             if isinstance(item, Reply) and item.reply_to in self._bundle_queues:
                 replies.setdefault(item.reply_to, []).append(item)
                 continue
@@ -122,8 +151,21 @@ class ActionSender:
                 await self._send_replies(replies)  # a step-down's replies go first
                 replies = {}
             await self._execute(item)
+        await self._send_wave(wave)
         if replies:
             await self._send_replies(replies)
+
+    async def _send_wave(self, wave: ChunkWave) -> None:
+        """Publish a wave's chunks together (one round trip for their confirms, not one
+        each) and empty it; the next wave, which may hold the same streams' next chunks,
+        leaves only after every chunk of this one is confirmed."""
+        chunks = wave.take_all()
+        if len(chunks) == 1:
+            await self._execute(chunks[0])
+        elif chunks:
+            async with asyncio.TaskGroup() as group:  # (a crash cancels the others)
+                for chunk in chunks:
+                    group.create_task(self._execute(chunk))
 
     async def _send_replies(self, replies: dict[str, list[Reply]]) -> None:
         for reply_to, queued in replies.items():
@@ -202,9 +244,14 @@ class ActionSender:
         elif isinstance(action, PublishFree):
             await broker.publish(topology.STAGE_EXCHANGE, action.routing_key, action.free)
         else:
-            chunk = action.chunk
+            # Every chunk confirmed, on the one confirm channel: RabbitMQ orders messages
+            # only within a channel, and a stream's next chunk waits for this one's confirm.
             await broker.publish(
-                "", action.reply_to, chunk, correlation_id=action.correlation_id, confirm=chunk.last
+                "",
+                action.reply_to,
+                action.chunk,
+                correlation_id=action.correlation_id,
+                confirm=True,
             )
 
     def _publish_failed(self, action: Action, exc: InferenceError) -> None:

@@ -6,7 +6,7 @@ logprobs. The choice of a row depends only on its logits, seed and index, never 
 rows of the batch, so a sequence samples the same tokens alone or among 63 others:
 
 * ``temperature == 0``: greedy, ``np.argmax`` (the lowest id wins a tie);
-* otherwise ``w = exp(logits / temperature - max)`` (in float64); candidates ordered by
+* otherwise ``w = exp((logits - max) / temperature)`` (in float64); candidates ordered by
   decreasing weight, ties by increasing id; the first ``top_k`` kept (0: all); then the
   nucleus: the shortest head of that order whose mass reaches ``top_p`` of the kept
   candidates' mass (at least one token); then one draw
@@ -86,8 +86,12 @@ def _greedy_tokens(logits: npt.NDArray[np.float32]) -> list[int]:
 
 def sample_row(logits: npt.NDArray[np.float32], row: RowSampling) -> int:
     """One row's token with temperature > 0 (see the module docstring for the rule)."""
-    scaled = logits.astype(np.float64) / row.temperature
-    weights = np.exp(scaled - scaled.max())
+    # Shifted before the division: every value is <= 0, so dividing by any temperature
+    # (even a subnormal one) gives 0 or a negative number, never inf - inf = NaN.
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max()
+    with np.errstate(over="ignore"):  # -x / subnormal overflows to -inf: weight 0, meant
+        weights = np.exp(shifted / row.temperature)
     kept = _kept_ids(weights, row.top_k, row.top_p)
     mass = np.cumsum(weights if kept is None else weights[kept])
     draw = np.random.default_rng([row.seed, row.index]).random() * mass[-1]

@@ -87,8 +87,8 @@ class PublishFree:
 
 @dataclass(frozen=True)
 class SendChunk:
-    """One chunk of a generation's stream, to its reply_to; the last one is confirmed
-    (a stream that loses its end would wait for it until its deadline)."""
+    """One chunk of a generation's stream, to its reply_to; every chunk is confirmed, on
+    one channel, each after the one before (RabbitMQ orders only within a channel)."""
 
     reply_to: str
     correlation_id: str
