@@ -45,6 +45,7 @@ async def test_generate_whole(gw: GenGateway) -> None:
         "model_name": "tiny",
         "model_version": "2",
         "text_output": "".join(HELLO_DELTAS),
+        "finish_reason": "length",
     }
     (sent,) = gw.scheduler.requests
     assert (sent.prompt, sent.version) == ("Say", 2)
@@ -59,7 +60,9 @@ async def test_generate_stream_one_event_per_chunk_with_text(gw: GenGateway) -> 
     )
     assert resp.status == 200
     events = [json.loads(e) for e in sse_events(await resp.text())]
-    assert [e["text_output"] for e in events] == [d for d in HELLO_DELTAS if d]
+    assert "".join(e["text_output"] for e in events) == "".join(HELLO_DELTAS)
+    # the end marker: the last event alone says how the answer ended (a cut one has none)
+    assert [e.get("finish_reason") for e in events] == [None] * (len(events) - 1) + ["length"]
     assert {(e["model_name"], e["model_version"]) for e in events} == {("tiny", "1")}
     assert gw.scheduler.requests[0].version == 1
 

@@ -46,3 +46,19 @@ async def test_readiness_turns_503_when_a_generation_servable_is_not_ready() -> 
         resp = await gw.client.get("/v2/health/ready")
         assert resp.status == 503
         assert "'tiny' version 1 is not ready: rank 1 lost" in (await resp.json())["error"]
+
+
+async def test_a_generation_servables_model_ready_is_200_or_503() -> None:
+    """Before, GET /v2/models/{m}/ready resolved a method (a generation servable has none):
+    400 whether it was ready or not."""
+    from generation_fakes import gen_gateways, tiny_llm
+
+    async with gen_gateways() as make:
+        ready = await make(tiny_llm())
+        resp = await ready.client.get("/v2/models/tiny/ready")
+        assert resp.status == 200 and (await resp.json())["ready"] is True
+        resp = await ready.client.get("/v2/models/tiny/versions/1/ready")
+        assert resp.status == 200
+        unready = await make(tiny_llm(ready=False, reason="rank 1 lost"))
+        resp = await unready.client.get("/v2/models/tiny/ready")
+        assert resp.status == 503 and "rank 1 lost" in (await resp.json())["error"]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from test_generation_kit import Bench, request
 
-from shardserve.errors import ErrorCode
+from shardserve.errors import ErrorCode, InferenceError
 from shardserve.wire.protocol import ErrorInfo
+from shardserve_scheduler.core.actions import Log, SendChunk
+from shardserve_scheduler.core.generation.sequences import Origin
 from shardserve_scheduler.core.generation.state import Limits
 
 
@@ -121,3 +123,34 @@ def test_shutdown_ends_every_open_stream() -> None:
     bench.take(bench.machine.shutdown("scheduler shutting down", 0.0))
     last = bench.last("a")
     assert last.error is not None and last.error.code == ErrorCode.UNAVAILABLE
+
+
+def test_a_request_reusing_a_live_correlation_id_is_refused_without_touching_that_stream() -> None:
+    """Before, the duplicate's refusal chunk went to the live stream (an error in it)."""
+    bench = Bench()
+    bench.generate("a", request("a", max_tokens=3))
+    before = list(bench.chunks.get("a", []))
+    actions = bench.generate("a", request("intruder", max_tokens=3))
+    assert not [a for a in actions if isinstance(a, SendChunk)]
+    assert any(isinstance(a, Log) and "intruder" in a.message for a in actions)
+    refusal = bench.machine.refuse(
+        Origin(request("intruder"), "reply.q", "a"), InferenceError("no such servable")
+    )
+    assert not [a for a in refusal if isinstance(a, SendChunk)]
+    assert bench.chunks.get("a", []) == before
+    bench.run_until_idle()
+    assert bench.last("a").finish_reason == "length"
+
+
+def test_a_vanished_reply_queue_ends_the_sequence_within_one_step() -> None:
+    bench = Bench()
+    bench.generate("a", request("a", max_tokens=50))
+    bench.generate("b", request("b", max_tokens=5))
+    bench.run_step()
+    bench.take(bench.machine.on_stream_gone("reply.q", "a", "no queue takes it", bench.now))
+    assert bench.last("a").error is not None
+    bench.run_step()
+    assert [s.seq for s in bench.steps[-1].layout] == [2]  # a is gone from the next step
+    bench.run_until_idle()
+    assert bench.last("b").finish_reason == "length"
+    assert bench.machine.running("llama", 1) == 0

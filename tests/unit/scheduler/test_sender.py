@@ -6,6 +6,7 @@ import asyncio
 import time
 from typing import Any
 
+from shardserve.errors import UnavailableError
 from shardserve.wire import topology
 from shardserve.wire.protocol import GenerateChunk, InferReply, InferReplyBundle, StageWork
 from shardserve.wire.tensors import Tensor
@@ -48,6 +49,7 @@ def sender_for(broker: RecordingBroker) -> ActionSender:
     return ActionSender(
         broker,  # type: ignore[arg-type]
         publish_failed=lambda job, why: None,
+        stream_gone=lambda reply_to, correlation_id, why: None,
         start_python=lambda action: None,
         is_active=lambda: True,
     )
@@ -125,3 +127,27 @@ async def test_a_streams_chunks_all_confirmed_each_after_the_one_before() -> Non
         assert mine == [(w, seq) for seq in range(3) for w in ("start", "confirmed")]
     # the two streams' chunks of one step leave together, not one round trip each
     assert [what for what, *_ in broker.events[:4]] == ["start", "start", "confirmed", "confirmed"]
+
+
+class ReturningBroker(RecordingBroker):
+    """Returns every chunk of stream "gone" (its reply queue was deleted)."""
+
+    async def publish(self, exchange: str, key: str, message: Any, **props: Any) -> None:
+        if props.get("correlation_id") == "gone":
+            raise UnavailableError("no queue takes default:replies (nobody consumes it)")
+        await super().publish(exchange, key, message, **props)
+
+
+async def test_an_undeliverable_chunk_reports_its_stream_gone() -> None:
+    broker = ReturningBroker()
+    gone: list[tuple[str, str]] = []
+    sender = ActionSender(
+        broker,  # type: ignore[arg-type]
+        publish_failed=lambda job, why: None,
+        stream_gone=lambda reply_to, corr, why: gone.append((reply_to, corr)),
+        start_python=lambda action: None,
+        is_active=lambda: True,
+    )
+    await drain(sender, chunk("gone", 0), chunk("here", 0), chunk("gone", 1, last=True))
+    assert gone == [("replies", "gone")]  # (not for its last chunk: nothing left to end)
+    assert [m.id for _, _, m in broker.sent] == ["here"]

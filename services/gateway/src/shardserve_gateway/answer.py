@@ -65,6 +65,8 @@ async def json_body(request: web.Request) -> object:
         return json.loads(raw)
     except ValueError as exc:
         raise BadInputError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # e.g. 100,000 nested "[": the parser recurses per level
+        raise BadInputError("request body is not valid JSON: nested too deeply") from None
 
 
 async def answer(

@@ -92,11 +92,13 @@ class ActionSender:
         broker: Broker,
         *,
         publish_failed: Callable[[str, str], None],
+        stream_gone: Callable[[str, str, str], None],
         start_python: Callable[[RunPython], None],
         is_active: Callable[[], bool],
     ) -> None:
         self._broker = broker
         self._publish_failed_job = publish_failed
+        self._stream_gone = stream_gone
         self._start_python = start_python
         self._is_active = is_active
         self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
@@ -258,7 +260,14 @@ class ActionSender:
         if isinstance(action, PublishStep):
             _logger.warning("could not publish step %s: %s", action.work.step, exc)
             self._publish_failed_job(action.work.step, exc.message)
-        elif isinstance(action, PublishFree | SendChunk):
+        elif isinstance(action, SendChunk):
+            # Mandatory and confirmed: a reply queue that vanished returns the chunk.
+            _logger.info(
+                "chunk %d of %s undeliverable: %s", action.chunk.seq, action.correlation_id, exc
+            )
+            if not action.chunk.last:
+                self._stream_gone(action.reply_to, action.correlation_id, exc.message)
+        elif isinstance(action, PublishFree):
             _logger.warning("could not publish a generation message: %s", exc)
         elif isinstance(action, PublishStageWork):
             _logger.warning("could not publish job %s: %s", action.work.job, exc)

@@ -57,10 +57,11 @@ from shardserve.wire.protocol import (
     StageResult,
     StepResult,
 )
+from shardserve_scheduler.arrival_order import ArrivalOrder
 from shardserve_scheduler.core.actions import Action, RunPython, bug_message, error_reply
 from shardserve_scheduler.core.catalog import Catalog, load_catalog, log_catalog
 from shardserve_scheduler.core.generation.machine import GenerationMachine
-from shardserve_scheduler.core.generation.resolve import resolve_generation
+from shardserve_scheduler.core.generation.resolve import Target, place_generation, prompt_ids
 from shardserve_scheduler.core.generation.sequences import Origin
 from shardserve_scheduler.core.generation.state import Limits
 from shardserve_scheduler.core.generation.texts import TextModels
@@ -135,9 +136,11 @@ class SchedulerService:
         self.leadership = Leadership(
             self.broker, settings.scheduler_id, self._become_active, self._step_down
         )
+        self._generation_order = ArrivalOrder()
         self.sender = ActionSender(
             self.broker,
             publish_failed=self._publish_failed,
+            stream_gone=self._stream_gone,
             start_python=self._start_python,
             is_active=lambda: self.active,
         )
@@ -273,13 +276,10 @@ class SchedulerService:
             actions = self._admit_one(message, reply_to, incoming.correlation_id or message.id)
         elif isinstance(message, GenerateRequest) and reply_to:
             origin = Origin(message, reply_to, incoming.correlation_id or message.id)
-            self._emit(self._generate(origin))
+            await self._generate(origin)
             return
         elif isinstance(message, GenerateCancel):
-            cancel = message
-            self._emit(
-                self.generation.on_cancel(cancel.reply_to, cancel.correlation_id, self.clock())
-            )
+            await self._cancel_generation(message)
             return
         else:
             await self._dead_letter_request(message, incoming)
@@ -322,14 +322,48 @@ class SchedulerService:
             return [error_reply(request, reply_to, correlation_id, exc.code, exc.message)]
         return self.machine.admit(call, self.clock())
 
-    def _generate(self, origin: Origin) -> list[Action]:
-        """A GenerateRequest: resolved and tokenized here, then the generation machine's."""
+    async def _generate(self, origin: Origin) -> None:
+        """A GenerateRequest: placed here, tokenized in a worker thread (never on this
+        loop, which carries heartbeats and steps), then the generation machine's, in
+        arrival order with the other requests and cancels."""
+        ticket = self._generation_order.ticket()
+        try:
+            prepared = await self._tokenized(origin)
+            await ticket.turn()
+            self._emit(self._admit_generation(origin, prepared))
+        finally:
+            ticket.done()
+
+    async def _cancel_generation(self, cancel: GenerateCancel) -> None:
+        ticket = self._generation_order.ticket()
+        try:
+            await ticket.turn()
+            now = self.clock()
+            self._emit(self.generation.on_cancel(cancel.reply_to, cancel.correlation_id, now))
+        finally:
+            ticket.done()
+
+    async def _tokenized(self, origin: Origin) -> Target | InferenceError:
+        """The request's Target, or the error that refuses it."""
+        request = origin.request
+        try:
+            placed = place_generation(self.catalog, self.registry, self.texts, request)
+            ids = await asyncio.to_thread(prompt_ids, placed.text, request)
+        except InferenceError as exc:
+            return exc
+        except Exception as exc:  # a bug: this stream ends with it instead of hanging
+            _logger.exception("could not tokenize the prompt")
+            return InferenceError(bug_message("while tokenizing the prompt", exc))
+        return Target(placed.group, placed.text, ids, placed.max_positions)
+
+    def _admit_generation(self, origin: Origin, prepared: Target | InferenceError) -> list[Action]:
         token = request_id_var.set(origin.request.id)
         try:
             if self._closing:
                 raise UnavailableError(SHUTDOWN_MESSAGE)
-            target = resolve_generation(self.catalog, self.registry, self.texts, origin.request)
-            return self.generation.on_generate(origin, target, self.clock())
+            if isinstance(prepared, InferenceError):
+                raise prepared
+            return self.generation.on_generate(origin, prepared, self.clock())
         except InferenceError as exc:
             self.refused_requests += 1
             _logger.info("generation refused (%s): %s", exc.code.value, exc.message)
@@ -509,6 +543,11 @@ class SchedulerService:
             self._emit(self.generation.on_publish_failed(job_id, message, self.clock()))
             return
         self._emit(self.machine.on_publish_failed(job_id, message, self.clock()))
+
+    def _stream_gone(self, reply_to: str, correlation_id: str, why: str) -> None:
+        """A chunk came back undeliverable (its reply queue is gone): nobody reads the
+        stream any more, so its sequence ends now instead of running to max_tokens."""
+        self._emit(self.generation.on_stream_gone(reply_to, correlation_id, why, self.clock()))
 
     def _start_python(self, action: RunPython) -> None:
         if self._tasks is None or self._closing:

@@ -16,6 +16,7 @@ import msgpack
 from pydantic import BaseModel, ValidationError
 
 from shardserve.errors import CodecError
+from shardserve.wire import bounds
 from shardserve.wire.protocol import (
     MESSAGE_ADAPTER,
     SCHEMA_VERSION,
@@ -36,9 +37,9 @@ CONTENT_TYPE = "application/msgpack"
 # for deployments that raise it, but never let one message make us allocate more.
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 _UNPACK_LIMITS = dict(
-    max_str_len=1024 * 1024,
+    max_str_len=bounds.MAX_STR_BYTES,
     max_bin_len=MAX_MESSAGE_BYTES,
-    max_array_len=1_000_000,
+    max_array_len=bounds.MAX_ARRAY_ITEMS,
     max_map_len=100_000,
     max_ext_len=0,
 )

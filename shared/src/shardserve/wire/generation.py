@@ -5,8 +5,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from shardserve.wire.bounds import (
+    MAX_ARRAY_ITEMS,
+    MAX_PROMPT_BYTES,
+    Count,
+    Deadline,
+    Text,
+    TokenId,
+    greedy_below_minimum,
+    utf8_size,
+)
 from shardserve.wire.message import ErrorInfo, TensorMap, _Message
 
 # ---------------------------------------------------------------- generation (public)
@@ -26,14 +36,17 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_tokens: int = Field(default=16, ge=1, le=1_000_000)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # 0: no top-k cut
+    # (below bounds.MIN_TEMPERATURE: greedy)
+    temperature: Annotated[float, AfterValidator(greedy_below_minimum)] = Field(
+        default=1.0, ge=0.0, le=100.0, allow_inf_nan=False
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: Count = 0  # 0: no top-k cut
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: tuple[Annotated[str, Field(min_length=1, max_length=256)], ...] = Field(
+    stop: tuple[Annotated[Text, Field(min_length=1, max_length=256)], ...] = Field(
         default=(), max_length=16
     )
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(default=(), max_length=64)
+    stop_token_ids: tuple[TokenId, ...] = Field(default=(), max_length=64)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -43,8 +56,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    role: str = Field(min_length=1, max_length=64)
-    content: str
+    role: Text = Field(min_length=1, max_length=64)
+    content: Text
 
 
 class GenerateRequest(_Message):
@@ -56,14 +69,14 @@ class GenerateRequest(_Message):
     """
 
     kind: Literal["generate.request"] = "generate.request"
-    id: str = Field(min_length=1, max_length=128)
-    servable: str = Field(min_length=1, max_length=128)
-    version: int = Field(default=0, ge=0)
-    prompt: str | None = None
-    prompt_ids: tuple[Annotated[int, Field(ge=0)], ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
+    id: Text = Field(min_length=1, max_length=128)
+    servable: Text = Field(min_length=1, max_length=128)
+    version: Count = 0
+    prompt: Text | None = None
+    prompt_ids: tuple[TokenId, ...] | None = Field(default=None, max_length=MAX_ARRAY_ITEMS - 1)
+    messages: tuple[ChatMessage, ...] | None = Field(default=None, max_length=4096)
     sampling: SamplingParams = SamplingParams()
-    deadline: float
+    deadline: Deadline
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -77,6 +90,14 @@ class GenerateRequest(_Message):
             raise ValueError("prompt_ids must not be empty")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        texts = (
+            [self.prompt] if self.prompt is not None else [m.content for m in self.messages or ()]
+        )
+        size = sum(utf8_size(text) for text in texts)
+        if size > MAX_PROMPT_BYTES:
+            raise ValueError(
+                f"prompt text of {size} UTF-8 bytes exceeds the limit of {MAX_PROMPT_BYTES}"
+            )
         return self
 
 
@@ -86,8 +107,8 @@ class GenerateCancel(_Message):
     Published like the request (same exchange and key), so it never overtakes it."""
 
     kind: Literal["generate.cancel"] = "generate.cancel"
-    reply_to: str = Field(min_length=1, max_length=255)
-    correlation_id: str = Field(min_length=1, max_length=128)
+    reply_to: Text = Field(min_length=1, max_length=255)
+    correlation_id: Text = Field(min_length=1, max_length=128)
 
 
 class TopLogprob(BaseModel):

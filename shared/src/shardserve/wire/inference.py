@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardserve.wire.bounds import Count, Deadline, Text
 from shardserve.wire.message import ErrorInfo, InstanceResult, TensorMap, _Message
 from shardserve.wire.tensors import Tensor
 
@@ -24,13 +25,13 @@ class InferRequest(_Message):
     """
 
     kind: Literal["infer.request"] = "infer.request"
-    id: str = Field(min_length=1, max_length=128)
-    servable: str = Field(min_length=1, max_length=128)
-    version: int = Field(default=0, ge=0)
-    method: str = Field(default="predict", min_length=1, max_length=128)
+    id: Text = Field(min_length=1, max_length=128)
+    servable: Text = Field(min_length=1, max_length=128)
+    version: Count = 0
+    method: Text = Field(default="predict", min_length=1, max_length=128)
     instances: tuple[TensorMap, ...] = Field(min_length=1)
-    outputs: tuple[str, ...] | None = None
-    deadline: float
+    outputs: tuple[Text, ...] | None = None
+    deadline: Deadline
 
 
 class InferReply(_Message):

@@ -144,9 +144,10 @@ class ChatMessageBody(BaseModel):
     content: str | list[TextPart]
 
     def message(self) -> ChatMessage:
-        if isinstance(self.content, str):
-            return ChatMessage(role=self.role, content=self.content)
-        return ChatMessage(role=self.role, content="".join(p.text for p in self.content))
+        """The wire message (its bounds checked: a 400 naming the field)."""
+        content = self.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        return parse(ChatMessage, {"role": self.role, "content": text})
 
 
 class ChatBody(_Common):

@@ -95,7 +95,8 @@ def generate_request(
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
-        raise BadInputError(f"{where}: {first['msg']}" if where else first["msg"]) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise BadInputError(f"{where}: {message}" if where else message) from None
 
 
 def raise_chunk_error(chunk: GenerateChunk) -> None:

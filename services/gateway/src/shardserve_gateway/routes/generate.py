@@ -3,9 +3,10 @@
 
 Body ``{"text_input": str, "parameters": {max_tokens, temperature, top_p, top_k, seed,
 stop, stop_token_ids, ignore_eos}}`` -> ``{"model_name", "model_version",
-"text_output"}``. The stream is SSE, one ``data:`` per chunk with ``text_output`` the new
-text; its status comes from the first chunk, and a later error arrives as a last event
-``{"error": ..., "code": ...}``. Errors before the stream are the gateway's usual
+"text_output", "finish_reason"}``. The stream is SSE, one ``data:`` per chunk with
+``text_output`` the new text, the last one with ``finish_reason`` ("stop" or "length": the
+end marker); its status comes from the first chunk, and a later error arrives as a last
+event ``{"error": ..., "code": ...}``. Errors before the stream are the gateway's usual
 ``{"error", "code"}``. Unknown fields are refused (a misspelt parameter would otherwise
 be silently ignored); ``parameters.stream`` is accepted and ignored (the route decides).
 """
@@ -93,10 +94,14 @@ class TritonRenderer:
         }
 
     def whole(self, generated: Generated) -> Json:
-        return self._output(generated.text)
+        return {**self._output(generated.text), "finish_reason": generated.finish_reason}
 
     def events(self, chunk: GenerateChunk, first: bool) -> list[Json]:
-        return [self._output(chunk.text)] if chunk.text or chunk.last else []
+        """The text of each chunk; the last event carries ``finish_reason`` (the end
+        marker: a stream without it was cut)."""
+        if chunk.finish_reason is not None:
+            return [{**self._output(chunk.text), "finish_reason": chunk.finish_reason}]
+        return [self._output(chunk.text)] if chunk.text else []
 
     def closing(self, usage: Usage | None) -> list[bytes]:
         return []

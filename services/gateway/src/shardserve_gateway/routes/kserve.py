@@ -46,7 +46,9 @@ from shardserve_gateway.mesh_view import (
     METHOD_SEPARATOR,
     Target,
     default_method,
+    find_method,
     require_ready,
+    split_model_name,
 )
 from shardserve_gateway.responses import error_response, json_response
 from shardserve_gateway.state import (
@@ -150,8 +152,13 @@ def _tensor_metadata(spec: TensorSpec, batch_dim: bool) -> dict[str, Any]:
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    target = _target(request)
-    require_ready(target.servable)
+    """Any servable version, a generation one too (it has no method to resolve)."""
+    version = parse_version(request.match_info.get("version"))
+    servable_name, method_name = split_model_name(request.match_info["model"])
+    servable = request.app[MESH_VIEW_KEY].find_servable(servable_name, version)
+    if method_name is not None:
+        find_method(servable, method_name)
+    require_ready(servable)
     return json_response({"name": request.match_info["model"], "ready": True})
 
 

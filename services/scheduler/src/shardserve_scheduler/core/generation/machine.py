@@ -57,12 +57,13 @@ class GenerationMachine:
 
     def refuse(self, origin: Origin, error: InferenceError) -> list[Action]:
         """A request resolution refused: its whole stream is one error chunk."""
+        if self.is_live(origin):
+            return [_duplicate_log(origin)]
         return [chunks.refusal_chunk(origin, error.code, error.message)]
 
     def on_generate(self, origin: Origin, target: Target, now: float) -> list[Action]:
-        if origin.stream_key in self.state.streams:
-            message = f"a generation with correlation_id {origin.correlation_id} is running"
-            return [chunks.refusal_chunk(origin, ErrorCode.BAD_INPUT, message)]
+        if self.is_live(origin):
+            return [_duplicate_log(origin)]
         run = self._run(target)
         run.stats.requests_total += 1
         sequence = self._sequence(origin, target, now)
@@ -82,12 +83,28 @@ class GenerationMachine:
         run.admission.waiting.append(sequence)
         return []
 
+    def is_live(self, origin: Origin) -> bool:
+        """A generation with ``origin``'s reply_to and correlation_id is running."""
+        return origin.stream_key in self.state.streams
+
     def on_cancel(self, reply_to: str, correlation_id: str, now: float) -> list[Action]:
+        message = "the generation was cancelled by its caller"
+        return self._end_stream(reply_to, correlation_id, message, now)
+
+    def on_stream_gone(
+        self, reply_to: str, correlation_id: str, why: str, now: float
+    ) -> list[Action]:
+        """A chunk could not be delivered (its reply queue is gone): the sequence ends."""
+        message = f"the generation's stream cannot be delivered: {why}"
+        return self._end_stream(reply_to, correlation_id, message, now)
+
+    def _end_stream(
+        self, reply_to: str, correlation_id: str, message: str, now: float
+    ) -> list[Action]:
         sequence = self._by_stream(reply_to, correlation_id)
         if sequence is None:
-            return [Log(logging.DEBUG, f"cancel of an unknown generation {correlation_id}")]
+            return [Log(logging.DEBUG, f"{message}: no such generation {correlation_id}")]
         run = self.state.versions[sequence.key]
-        message = "the generation was cancelled by its caller"
         return self.flow.end(run, sequence, ErrorCode.CANCELLED, message, now)
 
     def on_step_result(self, result: StepResult, now: float) -> list[Action]:
@@ -289,4 +306,16 @@ def _timeout_message(step: Step, limits: Limits) -> str:
     return (
         f"{step.label} took longer than {limits.step_timeout:g} s at stage {step.stage} "
         f"(ranks not answered: {silent})"
+    )
+
+
+def _duplicate_log(origin: Origin) -> Log:
+    """A request reusing a live stream's reply_to and correlation_id is refused without an
+    answer: any chunk sent for it would land in that live stream (its owner's)."""
+    return Log(
+        logging.WARNING,
+        f"refused generation {origin.request.id}: correlation_id {origin.correlation_id} "
+        f"on {origin.reply_to} belongs to a running generation (not answered: an answer "
+        "would land in that stream)",
+        origin.request.id,
     )

@@ -23,6 +23,15 @@ TextLoader = Callable[[GroupConfig], TextModel]
 
 
 @dataclass(frozen=True)
+class Placement:
+    """The version a request runs on, before its prompt is tokenized."""
+
+    group: GroupConfig
+    text: TextModel
+    max_positions: int
+
+
+@dataclass(frozen=True)
 class Target:
     group: GroupConfig
     text: TextModel
@@ -34,6 +43,14 @@ def resolve_generation(
     catalog: Catalog, registry: Registry, texts: TextLoader, request: GenerateRequest
 ) -> Target:
     """Resolve and tokenize a request, or raise the InferenceError that answers it."""
+    placed = place_generation(catalog, registry, texts, request)
+    return Target(placed.group, placed.text, prompt_ids(placed.text, request), placed.max_positions)
+
+
+def place_generation(
+    catalog: Catalog, registry: Registry, texts: TextLoader, request: GenerateRequest
+) -> Placement:
+    """The version to run a request on (cheap: no tokenizing), or the InferenceError."""
     servable = catalog.servables.get(request.servable)
     if servable is None:
         known = ", ".join(sorted(catalog.servables)) or "none"
@@ -51,10 +68,12 @@ def resolve_generation(
         text = texts(entry.group)
     except RepositoryError as exc:
         raise UnavailableError(f"servable {servable.name} has no usable tokenizer: {exc}") from exc
-    return Target(entry.group, text, prompt_ids(text, request), _max_positions(entry.group))
+    return Placement(entry.group, text, _max_positions(entry.group))
 
 
 def prompt_ids(text: TextModel, request: GenerateRequest) -> tuple[int, ...]:
+    """The prompt's ids (tokenized, or rendered and tokenized, or checked): the heavy part,
+    which the service runs in a worker thread."""
     if request.prompt_ids is not None:
         text.check_ids(request.prompt_ids)
         return tuple(request.prompt_ids)
