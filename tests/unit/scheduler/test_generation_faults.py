@@ -3,6 +3,8 @@ last chunk, KV room comes back, other sequences go on."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from test_generation_kit import Bench, request
 
 from shardserve.errors import ErrorCode, InferenceError
@@ -10,6 +12,7 @@ from shardserve.wire.protocol import ErrorInfo
 from shardserve_scheduler.core.actions import Log, SendChunk
 from shardserve_scheduler.core.generation.sequences import Origin
 from shardserve_scheduler.core.generation.state import Limits
+from shardserve_scheduler.core.generation.text_stream import TextStream
 
 
 def test_cancel_within_one_step_frees_in_the_next_step() -> None:
@@ -153,4 +156,35 @@ def test_a_vanished_reply_queue_ends_the_sequence_within_one_step() -> None:
     assert [s.seq for s in bench.steps[-1].layout] == [2]  # a is gone from the next step
     bench.run_until_idle()
     assert bench.last("b").finish_reason == "length"
+    assert bench.machine.running("llama", 1) == 0
+
+
+class BrokenText(TextStream):
+    """A detokenizer that fails on its second token (a bug or an unforeseen input)."""
+
+    def __init__(self, stream: TextStream) -> None:
+        self.__dict__.update(stream.__dict__)
+        self._seen = 0
+
+    def push(self, token: int) -> Any:
+        self._seen += 1
+        if self._seen == 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return super().push(token)
+
+
+def test_one_sequences_failing_text_ends_that_sequence_only() -> None:
+    """Before, the exception failed the whole step: every sequence batched with it ended."""
+    bench = Bench()
+    bench.generate("a", request("a", max_tokens=6))
+    bench.generate("b", request("b", max_tokens=6))
+    (broken,) = [
+        s for s in bench.machine.state.sequences.values() if s.origin.correlation_id == "a"
+    ]
+    broken.text = BrokenText(broken.text)
+    bench.run_until_idle()
+    failed = bench.last("a")
+    assert failed.error is not None and failed.error.code == ErrorCode.INTERNAL
+    assert bench.last("b").finish_reason == "length"
+    assert len([c for c in bench.chunks["b"] if c.token_ids]) == 6
     assert bench.machine.running("llama", 1) == 0

@@ -20,7 +20,14 @@ from shardserve.wire.protocol import (
     TopLogprob,
 )
 from shardserve.wire.tensors import digest_mismatch, digest_tensors
-from shardserve_scheduler.core.actions import Action, Cancel, PublishFree, PublishStep
+from shardserve_scheduler.core.actions import (
+    Action,
+    Cancel,
+    PublishFree,
+    PublishStep,
+    bug_log,
+    bug_message,
+)
 from shardserve_scheduler.core.generation import chunks
 from shardserve_scheduler.core.generation.admission import KvLimit
 from shardserve_scheduler.core.generation.decode_runs import decode_steps, record_iteration
@@ -199,8 +206,22 @@ class Flow:
         padded = logprobs if len(logprobs) == len(tokens) else (None,) * len(tokens)
         actions: list[Action] = []
         for sequence, token, logprob in zip(step.sampled, tokens, padded, strict=True):
-            actions += self._token(run, sequence, token, logprob, now)
+            actions += self._token_or_end(run, sequence, token, logprob, now)
         return actions
+
+    def _token_or_end(
+        self, run: VersionRun, sequence: Sequence, token: int, raw: TokenLogprob | None, now: float
+    ) -> list[Action]:
+        """``_token``; if it raises (detokenizing, stop strings, a token's text: a bug or
+        an input nobody foresaw) that sequence alone ends with the error, the others of
+        the step get their tokens."""
+        try:
+            return self._token(run, sequence, token, raw, now)
+        except Exception as exc:
+            message = bug_message(f"handling token {token} of {sequence.origin.request.id}", exc)
+            run.stats.errors_total += 1
+            error = chunks.error_chunk(sequence, ErrorCode.INTERNAL, message)
+            return [bug_log(message), *error, *self.leave(run, sequence, now)]
 
     def _retire(self, run: VersionRun, step: Step) -> None:
         self._state.steps.pop(step.id, None)
