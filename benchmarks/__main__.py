@@ -22,7 +22,8 @@ from typing import Any
 from benchmarks.meshes import dedicated_vhost
 from benchmarks.report import git_commit, render, write_json
 from benchmarks.rounds import combine_ratios, combine_results
-from benchmarks.scenarios import SCENARIOS, Run
+from benchmarks.run import Run
+from benchmarks.scenarios import SCENARIOS
 from shardserve.process.heap import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,7 @@ from benchmarks.gen_scenario import (
 )
 from benchmarks.gen_triad import measure_bandwidth
 from benchmarks.meshes import running_mesh
-from benchmarks.scenarios import Run
+from benchmarks.run import Run
 from benchmarks.weight_bytes import rank_bytes_per_token
 from shardserve.ops.child_mesh import rss_bytes
 

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from benchmarks.gen_triad import bytes_floor_ms
-from benchmarks.report import Ratio, fmt
+from benchmarks.ratios import Ratio, fmt
 
 PAIRS = (("fp32", "F32"), ("int8", "Q8_0"), ("int4", "Q4_0"))
 SYSTEMS = {  # result key -> what the table calls it

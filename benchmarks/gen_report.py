@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.report import Ratio, fmt
+from benchmarks.gen_bar_report import bar_ratios, bar_table
+from benchmarks.ratios import Ratio, fmt
 
 
 def _metric(results: dict[str, Any], key: str, metric: str, stat: str = "median") -> float | None:
@@ -30,8 +31,6 @@ def _div(a: float | None, b: float | None) -> float | None:
 
 
 def generation_ratios(results: dict[str, Any]) -> list[Ratio]:
-    from benchmarks.gen_bar_report import bar_ratios  # it imports fmt and Ratio from here
-
     labels = results.get("gen.targets")
     if not isinstance(labels, dict):
         return bar_ratios(results)
@@ -205,8 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
     from pathlib import Path
-
-    from benchmarks.gen_bar_report import bar_table
 
     [path] = argv if argv is not None else sys.argv[1:]
     results = json.loads(Path(path).read_text())["results"]

@@ -26,7 +26,7 @@ from benchmarks import gen_models
 from benchmarks.gen_client import GenLoad, run_gen_load
 from benchmarks.gen_metrics import summarize_traces
 from benchmarks.meshes import Mesh, Process, running_mesh
-from benchmarks.scenarios import Run
+from benchmarks.run import Run
 from shardserve.ops.child_mesh import free_port, rss_bytes
 from shardserve.repo.repository import load_group
 from shardserve.runtime.kv_shape import cache_shape

@@ -20,27 +20,16 @@ import math
 import platform
 import re
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gen_bar_report import bar_table
+from benchmarks.gen_report import generation_ratios, generation_table
+from benchmarks.ratios import Ratio, fmt
+
 MESH_HOPS_RANK1 = 4
 RAW_ROUND_TRIP_HOPS = 2
-
-
-@dataclass(frozen=True)
-class Ratio:
-    name: str
-    value: float | None
-    target: str  # e.g. ">= 0.8"
-    detail: str
-
-    @property
-    def passed(self) -> bool | None:
-        if self.value is None or math.isnan(self.value) or self.target == "-":
-            return None  # not measured, or a figure shown for comparison only
-        op, bound = self.target.split()
-        return self.value >= float(bound) if op == ">=" else self.value <= float(bound)
 
 
 def _get(results: dict[str, Any], key: str, field: str) -> float | None:
@@ -160,8 +149,6 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
 
 
 def _generation_ratios(results: dict[str, Any]) -> list[Ratio]:
-    from benchmarks.gen_report import generation_ratios  # it imports Ratio from here
-
     return generation_ratios(results)
 
 
@@ -211,10 +198,6 @@ def memory_ratio(results: dict[str, Any]) -> Ratio:
         f"MLP agent RSS {big['rss_mb']} MB, slice {big['slice_mb']} MB, "
         f"fixed overhead {overhead} MB (RSS of the matmul agent)",
     )
-
-
-def fmt(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}g}"
 
 
 def load_table(results: dict[str, Any]) -> list[str]:
@@ -288,9 +271,6 @@ def allreduce_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], ratios: list[Ratio], notes: list[str]) -> str:
-    from benchmarks.gen_bar_report import bar_table  # they import Ratio from here
-    from benchmarks.gen_report import generation_table
-
     parts = ["", *load_table(results), "", *bar_table(results), "", *generation_table(results)]
     parts += [""]
     parts += [*ratio_table(ratios), "", *facts_table(results)]

@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.report import Ratio, compute_ratios, fmt
+from benchmarks.ratios import Ratio, fmt
+from benchmarks.report import compute_ratios
 
 
 def median_entry(entries: list[Any]) -> Any:

@@ -14,7 +14,7 @@ import pytest
 from shardserve.amqp.collective import CollectiveHub, JobCancelledError
 from shardserve.errors import DeadlineError
 from shardserve.repo.repository import AllGatherOp, AllReduceOp, RunOp, StageSpec
-from shardserve.runtime.program import final_collectives, run_stage
+from shardserve.runtime.program import run_stage
 from shardserve.wire.parts import Part
 from shardserve.wire.protocol import CollectivePart
 from shardserve.wire.tensors import Tensor
@@ -488,7 +488,7 @@ RUN = RunOp(file="seg.onnx")
 def test_final_collectives_are_those_whose_results_are_only_stage_outputs(
     program: tuple[object, ...], outputs: tuple[str, ...], finals: set[int]
 ) -> None:
-    assert final_collectives(_stage_spec(program, outputs)) == finals
+    assert _stage_spec(program, outputs).final_collectives == finals
 
 
 class _Scale:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,15 +17,43 @@ FORBIDDEN_EVERYWHERE = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "
 FOLDER_NAMES = {"shared", "services"}
 
 
+SOURCE_ROOTS = (SHARED, *sorted(SERVICES.glob("*/src")), ROOT)  # ROOT: benchmarks
+
+
+@cache
+def is_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of ours (``a.b`` -> a/b.py or a/b/)."""
+    relative = Path(*name.split("."))
+    return any(
+        (root / relative).with_suffix(".py").is_file()
+        or (root / relative / "__init__.py").is_file()
+        for root in SOURCE_ROOTS
+    )
+
+
 def imported_modules(path: Path) -> Iterator[tuple[int, str]]:
-    """(line, absolute module name) of every import in a file; relative imports skipped."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    """(line, absolute module name) of every import in a file, inside functions too;
+    relative imports skipped. ``from a import b`` yields ``a.b`` when that is a module of
+    ours (``from shardserve import cli`` imports the cli), else ``a``."""
+    yield from _imports(ast.parse(path.read_text(), filename=str(path)))
+
+
+def _imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.lineno, node.module
+            submodules = [f"{node.module}.{a.name}" for a in node.names]
+            for name in submodules:
+                if is_module(name):
+                    yield node.lineno, name
+            if not all(is_module(name) for name in submodules):
+                yield node.lineno, node.module
+
+
+def _modules_of(source: str) -> list[str]:
+    return [module for _, module in _imports(ast.parse(source))]
 
 
 def python_files(folder: Path) -> list[Path]:
@@ -42,9 +72,9 @@ def service_package(path: Path) -> str:
 def file_violations(path: Path, own: str) -> list[str]:
     """Rule breaks in one file that belongs to the import root ``own``."""
     found = []
-    for line, module in imported_modules(path):
-        root = top(module)
-        where = f"{path.name}:{line} imports {module}"
+    # One finding per import line and root (``from a import b`` also yields ``a.b``).
+    for line, root in sorted({(line, top(module)) for line, module in imported_modules(path)}):
+        where = f"{path.name}:{line} imports {root}"
         if root in FORBIDDEN_EVERYWHERE:
             found.append(f"{where} (never pickle)")
         elif root in FOLDER_NAMES:
@@ -189,3 +219,176 @@ def test_the_layer_check_catches_upward_and_sideways_imports() -> None:
     assert not layer_violations("shardserve.cli.models", "shardserve.tools.export.mlp")
     assert not layer_violations("shardserve.tools.export.mlp", "shardserve.tools.common")
     assert not layer_violations("shardserve.runtime.program", "shardserve.errors")
+
+
+# ---------------------------------------------------------------- the holes, probed
+
+
+def test_importing_a_layer_from_the_package_root_is_seen() -> None:
+    """``from shardserve import cli`` imports the cli layer, not the root package."""
+    assert "shardserve.cli" in _modules_of("from shardserve import cli\n")
+    assert layer_violations("shardserve.wire.codec", "shardserve.cli")
+
+
+def test_a_sibling_imported_inside_a_function_by_its_package_is_seen() -> None:
+    source = "def late():\n    from shardserve.tools import export\n"
+    assert "shardserve.tools.export" in _modules_of(source)
+    assert layer_violations("shardserve.tools.slicing.api", "shardserve.tools.export")
+
+
+def test_the_package_root_imports_nothing_of_its_own() -> None:
+    """The root carries the version only, so importing it pulls in no layer."""
+    root = SHARED / "shardserve" / "__init__.py"
+    assert [m for _, m in imported_modules(root) if top(m) == "shardserve"] == []
+
+
+def test_rooms_inside_the_services_keep_their_rules() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: {problem}"
+        for path in python_files(SERVICES)
+        for line, imported in imported_modules(path)
+        for problem in room_violations(service_module_name(path), imported)
+    ]
+    assert found == []
+
+
+def test_the_room_check_catches_each_kind_of_hole() -> None:
+    core = "shardserve_scheduler.core.jobs"
+    assert room_violations(core, "shardserve_scheduler.service")  # the shell
+    assert room_violations(core, "shardserve.runtime.program")  # I/O, asyncio, ctypes
+    assert room_violations(core, "aio_pika")
+    assert room_violations("shardserve_gateway.codecs.kserve", "shardserve_gateway.routes.kserve")
+    assert room_violations("shardserve_gateway.generation.sse", "shardserve_gateway.app")
+    assert room_violations("shardserve_agent.generation.steps", "shardserve_agent.service")
+    assert not room_violations(core, "shardserve_scheduler.core.generation.steps")
+    assert not room_violations(core, "shardserve.repo.repository")
+    assert not room_violations("shardserve_gateway.codecs.kserve", "shardserve_gateway.errors")
+    assert not room_violations("shardserve_gateway.routes.openai", "shardserve_gateway.codecs")
+
+
+def test_no_import_cycles_anywhere_benchmarks_included() -> None:
+    graph = import_graph()
+    assert len(graph) > 200, "the modules were not found; the walk itself is broken"
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_late_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---------------------------------------------------------------- rooms inside the services
+
+
+@dataclass(frozen=True)
+class Room:
+    """A folder of a service and what it may not import. ``own``: the only modules of its
+    own service it may import (None: any); ``never``: prefixes it may never import."""
+
+    own: tuple[str, ...] | None = None
+    never: tuple[str, ...] = ()
+
+
+IO = ("asyncio", "aio_pika", "aiormq", "aiohttp", "socket", "subprocess", "threading")
+ROOMS: dict[str, Room] = {
+    # The pure core: events and the time in, actions out. Never the shell, never I/O
+    # (shardserve.runtime and shardserve.amqp are the agents' and the broker's).
+    "shardserve_scheduler.core": Room(
+        own=("shardserve_scheduler.core",),
+        never=(*IO, "onnxruntime", "shardserve.amqp", "shardserve.runtime", "shardserve.client")
+        + ("shardserve.lite", "shardserve.ops", "shardserve.cli", "shardserve.tools"),
+    ),
+    # Body formats: below every route and handler.
+    "shardserve_gateway.codecs": Room(
+        own=(
+            "shardserve_gateway.codecs",
+            "shardserve_gateway.errors",
+            "shardserve_gateway.responses",
+        ),
+        never=("aio_pika", "shardserve.amqp"),
+    ),
+    "shardserve_gateway.generation": Room(
+        never=("shardserve_gateway.routes", "shardserve_gateway.app", "shardserve_gateway.answer")
+    ),
+    "shardserve_agent.generation": Room(
+        never=("shardserve_agent.service", "shardserve_agent.worker")
+        + ("shardserve_agent.registration", "shardserve_agent.__main__"),
+    ),
+}
+
+
+def service_module_name(path: Path) -> str:
+    parts = list(path.relative_to(SERVICES).with_suffix("").parts[2:])
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def room_violations(importer: str, imported: str) -> list[str]:
+    """Why ``importer`` (a service module) may not import ``imported`` (empty when it may)."""
+    found = []
+    for name, room in ROOMS.items():
+        if not _within(importer, name):
+            continue
+        if any(_within(imported, never) for never in room.never):
+            found.append(f"{importer} imports {imported} (never in {name})")
+        own_service = top(imported) == top(importer)
+        if room.own is not None and own_service and not any(_within(imported, o) for o in room.own):
+            found.append(f"{importer} imports {imported} ({name} imports only {room.own})")
+    return found
+
+
+# ---------------------------------------------------------------- cycles
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for root in SOURCE_ROOTS[:-1]:
+        for path in python_files(root):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in python_files(ROOT / "benchmarks"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each module of ours -> the modules of ours it imports (anywhere in the file)."""
+    files = _module_files()
+    return {
+        module: {m for _, m in imported_modules(path) if m in files and m != module}
+        for module, path in files.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = [stack.pop()]
+            while component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(cycles)

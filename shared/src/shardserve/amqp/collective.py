@@ -30,7 +30,7 @@ Three algorithms, chosen per collective by ``CollectiveHub.algorithm_for``:
   rank, in rank order, as the leader does: the same bits.
 
 A stage's final collectives (whose results are only stage outputs, see
-``program.final_collectives``) need their result at the leader alone: it is the only
+``StageSpec.final_collectives``) need their result at the leader alone: it is the only
 rank that sends outputs (the others send a digest, which for such results would only re-
 check the transit of bytes the leader sent or also received). There the leader algorithm
 stops before its multicast (**to-leader**: R-1 deliveries, one hop; also at 2 ranks,
@@ -337,7 +337,7 @@ class JobCollective:
         self, step: int, array: np.ndarray, combine: Combine, *, reduce: bool
     ) -> np.ndarray | None:
         """``combine`` of every rank's part at the stage leader only; None on the other
-        ranks, which send their part and go on (see ``program.final_collectives``). The
+        ranks, which send their part and go on (see ``StageSpec.final_collectives``). The
         leader's bits are those every rank would get from ``allcombine``/``allreduce``:
         the same parts combined in the same order. From 2 ranks up (at 2, fanout would
         deliver 2 parts, this 1); ranks without point-to-point sends gather everywhere."""

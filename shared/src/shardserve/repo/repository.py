@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
@@ -91,6 +92,36 @@ class StageSpec(_Frozen):
     @property
     def collective_count(self) -> int:
         return sum(1 for op in self.program if isinstance(op, AllGatherOp | AllReduceOp))
+
+    @cached_property
+    def final_collectives(self) -> frozenset[int]:
+        """Program indices of the collectives whose result only the stage's leader needs:
+        those after the stage's last segment run whose output is a stage output that no
+        later collective reads. Empty unless every stage output comes from one of them, so
+        a rank holds either all of its stage's outputs or none. A fact of the program, so
+        it lives here: the agents' runtime and the scheduler's pure core both read it."""
+        computed = (RunOp, AttentionOp)  # ops that compute locally, unlike the collectives
+        program = self.program
+        last_run = max((i for i, op in enumerate(program) if isinstance(op, computed)), default=-1)
+        producer: dict[str, int] = {}
+        for index in range(last_run + 1, len(program)):
+            op = program[index]
+            assert isinstance(op, AllGatherOp | AllReduceOp)
+            read_later = {
+                later.input
+                for later in program[index + 1 :]
+                if isinstance(later, AllGatherOp | AllReduceOp)
+            }
+            if op.output in self.outputs and op.output not in read_later:
+                producer[op.output] = index
+        if not self.outputs or set(self.outputs) != set(producer):
+            return frozenset()
+        return frozenset(producer.values())
+
+    @property
+    def outputs_at_leader(self) -> bool:
+        """Whether the stage's outputs are combined at its leader alone."""
+        return bool(self.final_collectives)
 
 
 class RankSpec(_Frozen):

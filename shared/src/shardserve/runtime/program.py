@@ -14,7 +14,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from functools import lru_cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -118,13 +118,13 @@ async def run_stage(
     one part (an allgather's axis moves one place right), so a job of k instances costs
     the ranks one message per collective instead of k.
 
-    ``outputs_at_leader``: the stage's final collectives (``final_collectives``) combine
+    ``outputs_at_leader``: the stage's final collectives (``StageSpec.final_collectives``) combine
     at the stage leader only, where the collective can (``to_leader``); the other ranks
     then return no outputs at all (an empty mapping).
 
     ``attention``: the context ``attention`` ops call (required when the program has one)."""
     env: Env = dict(inputs)
-    finals = final_collectives(stage) if outputs_at_leader else frozenset()
+    finals = stage.final_collectives if outputs_at_leader else frozenset()
     step = 0
     for index, op in enumerate(stage.program):
         if isinstance(op, RunOp):
@@ -158,32 +158,6 @@ def _attend(
             f"(context given: {attention is not None}, stacked: {stacked})"
         )
     return attention.attend(op.layer, env[op.q], env[op.k], env[op.v])
-
-
-@lru_cache(maxsize=1024)
-def final_collectives(stage: StageSpec) -> frozenset[int]:
-    """Program indices of the collectives whose result only the stage's leader needs:
-    those after the stage's last segment run whose output is a stage output that no later
-    collective reads. Empty unless every stage output comes from one of them, so a rank
-    holds either all of its stage's outputs or none. Cached: the agents ask once per job,
-    the scheduler once per stage result, always of the same few stages."""
-    program = stage.program
-    computed = (RunOp, AttentionOp)  # ops that compute locally, unlike the collectives
-    last_run = max((i for i, op in enumerate(program) if isinstance(op, computed)), default=-1)
-    producer: dict[str, int] = {}
-    for index in range(last_run + 1, len(program)):
-        op = program[index]
-        assert isinstance(op, AllGatherOp | AllReduceOp)
-        read_later = {
-            later.input
-            for later in program[index + 1 :]
-            if isinstance(later, AllGatherOp | AllReduceOp)
-        }
-        if op.output in stage.outputs and op.output not in read_later:
-            producer[op.output] = index
-    if not stage.outputs or set(stage.outputs) != set(producer):
-        return frozenset()
-    return frozenset(producer.values())
 
 
 async def _at_leader(

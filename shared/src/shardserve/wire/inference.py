@@ -117,7 +117,7 @@ class StageResult(_Message):
     """One rank's outcome of a job's stage: the digest of its outputs, and (from the
     stage's leader rank) the outputs themselves.
 
-    Where a stage's outputs are combined at its leader (``program.final_collectives``)
+    Where a stage's outputs are combined at its leader (``StageSpec.final_collectives``)
     the other ranks hold none and answer only with an error: the leader's result, made
     from every rank's part, speaks for them.
     """

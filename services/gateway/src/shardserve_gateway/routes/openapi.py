@@ -16,10 +16,19 @@ from aiohttp import web
 
 import shardserve
 from shardserve_gateway.responses import json_response
-
-Schema = dict[str, Any]
-
-JSON = "application/json"
+from shardserve_gateway.routes.openapi_generation import generation_paths, generation_schemas
+from shardserve_gateway.routes.openapi_schema import (
+    BOOLEAN,
+    INTEGER,
+    JSON,
+    NUMBER,
+    PARAMETERS,
+    STRING,
+    Schema,
+    array,
+    obj,
+    ref,
+)
 
 
 def add_routes(app: web.Application) -> None:
@@ -28,28 +37,6 @@ def add_routes(app: web.Application) -> None:
 
 async def openapi_json(request: web.Request) -> web.Response:
     return json_response(document())
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-def obj(required: tuple[str, ...] = (), **properties: Schema) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = list(required)
-    return schema
-
-
-def array(items: Schema) -> Schema:
-    return {"type": "array", "items": items}
-
-
-STRING: Schema = {"type": "string"}
-BOOLEAN: Schema = {"type": "boolean"}
-INTEGER: Schema = {"type": "integer"}
-NUMBER: Schema = {"type": "number"}
-PARAMETERS: Schema = {"type": "object"}
 
 
 def _tensor_schemas() -> dict[str, Schema]:
@@ -360,9 +347,6 @@ def _mindspore_and_ops_paths() -> dict[str, Schema]:
 @cache
 def document() -> dict[str, Any]:
     """The whole OpenAPI document."""
-    # Imported here: the generation part builds on this module's helpers.
-    from shardserve_gateway.routes.openapi_generation import generation_paths, generation_schemas
-
     return {
         "openapi": "3.1.0",
         "info": {

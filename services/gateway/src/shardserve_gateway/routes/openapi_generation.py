@@ -9,7 +9,7 @@ ending with ``data: [DONE]`` (absent after an error event).
 
 from __future__ import annotations
 
-from shardserve_gateway.routes.openapi import (
+from shardserve_gateway.routes.openapi_schema import (
     BOOLEAN,
     INTEGER,
     JSON,

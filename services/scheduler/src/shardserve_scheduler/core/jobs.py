@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 from shardserve.errors import ErrorCode
 from shardserve.repo.repository import GroupConfig
-from shardserve.runtime.program import final_collectives
 from shardserve.wire.protocol import ErrorInfo, InferRequest, InstanceResult, StageResult, TensorMap
 from shardserve_scheduler.core.batching import Batcher, Member
 from shardserve_scheduler.core.methods import Env, MethodPlan
@@ -159,7 +158,7 @@ def stage_answered(job: Job) -> bool:
     if len(job.results) == len(job.stage_ranks()):
         return True
     leader_answered = job.group.leader_of(job.stage) in job.results
-    return leader_answered and bool(final_collectives(job.group.stages[job.stage]))
+    return leader_answered and job.group.stages[job.stage].outputs_at_leader
 
 
 def digest_disagreement(job: Job) -> str:

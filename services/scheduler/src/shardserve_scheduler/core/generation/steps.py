@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shardserve.repo.repository import GroupConfig
-from shardserve.runtime.program import final_collectives
 from shardserve.wire.protocol import (
     RowSampling,
     SequenceReservation,
@@ -173,7 +172,7 @@ def stage_answered(step: Step) -> bool:
     if step.decode_steps > 1:
         return False
     leader_answered = step.group.leader_of(step.stage) in step.results
-    return leader_answered and bool(final_collectives(step.group.stages[step.stage]))
+    return leader_answered and step.group.stages[step.stage].outputs_at_leader
 
 
 def digest_disagreement(step: Step) -> str:
