@@ -1,9 +1,10 @@
-"""Fixtures shared by every test: the broker URL, per-test vhosts, free ports.
+"""Fixtures shared by every test: the broker URL, per-module vhosts, free ports.
 
 Tests that cross services run against a real RabbitMQ. The URL comes from
 SHARDSERVE_AMQP_URL (default amqp://guest:guest@127.0.0.1:5672/); `scripts/test` makes
-sure it is reachable before pytest starts. Where `rabbitmqctl` is available, each mesh gets
-its own vhost, so meshes, schedulers and leftovers of one test never see another's.
+sure it is reachable before pytest starts. Where `rabbitmqctl` is available, each test
+module gets its own vhost, so meshes, schedulers and leftovers of one module never see
+another's.
 """
 
 from __future__ import annotations

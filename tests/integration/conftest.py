@@ -16,7 +16,15 @@ import pytest
 
 from shardserve.ops.child_mesh import SHARDSERVE, LocalMesh, free_port
 
-pytestmark = pytest.mark.integration
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of this folder ``integration`` (a ``pytestmark`` in a conftest is
+    ignored by pytest: it applies to test modules only)."""
+    for item in items:
+        if item.path.is_relative_to(HERE):
+            item.add_marker(pytest.mark.integration)
 
 
 class Mesh(LocalMesh):

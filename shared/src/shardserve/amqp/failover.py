@@ -86,6 +86,7 @@ class FailoverConnection(RobustConnection):
     ) -> None:
         if not urls:
             raise ValueError("FailoverConnection needs at least one URL")
+        _filter_attempt_lines()
         self._urls = [URL(u) for u in urls]
         self._index = start % len(self._urls)
         self._last_attempt_failed = False
@@ -171,5 +172,10 @@ class _OwnAttemptLines(logging.Filter):
 
 
 _ATTEMPT_LINES = _OwnAttemptLines()
-logging.getLogger("aio_pika.robust_connection").addFilter(_ATTEMPT_LINES)
-logging.getLogger("aiormq.connection").addFilter(_ATTEMPT_LINES)
+
+
+def _filter_attempt_lines() -> None:
+    """Install the filter on the libraries' loggers: when a FailoverConnection is made,
+    not as a side effect of importing this module (addFilter adds one filter once)."""
+    logging.getLogger("aio_pika.robust_connection").addFilter(_ATTEMPT_LINES)
+    logging.getLogger("aiormq.connection").addFilter(_ATTEMPT_LINES)

@@ -7,7 +7,7 @@ defaults from release to release (``CollectivePart.phase``, ``StageWork.stacked`
 and unknown fields are refused, so the services of one mesh run
 one shardserve release: an older consumer dead-letters a newer message, never half-reads it.
 
-Flow of one request (see README, "Architecture"):
+Flow of one request (see docs/architecture.md):
 
     InferRequest  gateway/other system -> scheduler            (exchange shardserve.requests)
     StageWork     scheduler -> every rank of one stage         (exchange shardserve.stage)
