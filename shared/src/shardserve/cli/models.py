@@ -39,7 +39,9 @@ def _add_common_export_options(parser: argparse.ArgumentParser, default_name: st
     parser.add_argument("--stage-size", type=positive_int, default=1, help="pipeline stages")
     parser.add_argument("--version", type=positive_int, default=1, help="version folder number")
     parser.add_argument(
-        "--name", default=default_name, help="servable name (hf: the checkpoint folder's name)"
+        "--name",
+        default=default_name,
+        help="servable name (hf: the checkpoint folder's name; gguf: the file's)",
     )
     existing = parser.add_mutually_exclusive_group()
     existing.add_argument(
@@ -122,9 +124,24 @@ def _export_hf(args: argparse.Namespace) -> int:
     return _export("export hf", functools.partial(export_hf, args.checkpoint), args)
 
 
+def _export_gguf(args: argparse.Namespace) -> int:
+    from shardserve.tools.export.gguf import export_gguf
+
+    return _export("export gguf", functools.partial(export_gguf, args.gguf_file), args)
+
+
+def _default_name(args: argparse.Namespace) -> str:
+    """export hf: the checkpoint folder's name; export gguf: the file's, less its quant type."""
+    if args.model == "gguf":
+        from shardserve.tools.export.gguf import default_name
+
+        return default_name(args.gguf_file)
+    return str(args.checkpoint.resolve().name)
+
+
 def _run_export(args: argparse.Namespace) -> int:
-    if args.name is None:  # export hf: the checkpoint folder's name
-        args.name = args.checkpoint.resolve().name
+    if args.name is None:
+        args.name = _default_name(args)
     if args.if_missing:
         if _already_exported(args.out, args.name, args.version):
             print(f"{args.out / args.name / str(args.version)} already holds a valid export; kept")
@@ -176,6 +193,14 @@ def build_export(subparsers: Subparsers) -> None:
     hf.add_argument("checkpoint", type=Path, help="folder with config.json and *.safetensors")
     _add_common_export_options(hf, default_name=None)
     hf.set_defaults(exporter=_export_hf)
+
+    gguf = models.add_parser(
+        "gguf",
+        help="a llama.cpp GGUF file (Llama, Mistral, Qwen2; weights dequantized to fp32)",
+    )
+    gguf.add_argument("gguf_file", type=Path, help="the .gguf file")
+    _add_common_export_options(gguf, default_name=None)
+    gguf.set_defaults(exporter=_export_gguf)
 
     parser.set_defaults(handler=_run_export)
 

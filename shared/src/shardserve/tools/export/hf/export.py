@@ -9,9 +9,11 @@ generation_config.json), their sha256 listed in group.json's ``origin``.
 
 from __future__ import annotations
 
+import functools
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -42,11 +44,16 @@ from shardserve.tools.export.hf.checkpoint import Checkpoint
 from shardserve.tools.export.hf.config import DecoderConfig, load_config
 from shardserve.tools.export.hf.graph import build_rank, hidden_name
 from shardserve.tools.export.hf.plan import RankPlan, plan_rank, stage_layers
-from shardserve.tools.export.hf.weights import Gpt2Weights, LlamaWeights, weight_source
+from shardserve.tools.export.hf.weights import (
+    Gpt2Weights,
+    LlamaWeights,
+    TensorSource,
+    weight_source,
+)
 from shardserve.tools.slice_writer import EXTERNAL_DATA_THRESHOLD, save_model
 from shardserve.wire.protocol import TensorSpec
 
-__all__ = ["TOKENIZER_DIR", "TOKENIZER_FILES", "export_hf"]
+__all__ = ["TOKENIZER_DIR", "TOKENIZER_FILES", "DecoderSource", "export_decoder", "export_hf"]
 
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = (
@@ -56,6 +63,18 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 STEP_INPUTS = ("positions", "logit_rows")  # every stage reads or forwards them
+
+
+@dataclass(frozen=True)
+class DecoderSource:
+    """What an export reads, whatever the file format: the checked config, the tensors under
+    Hugging Face names, and a writer of the tokenizer folder (returns ``tokenizer/<file>`` ->
+    sha256 of each file written)."""
+
+    config: DecoderConfig
+    tensors: TensorSource
+    write_tokenizer: Callable[[Path], dict[str, str]]
+    model: str = "hf"  # group.json origin["model"]: where the weights came from
 
 
 def export_hf(
@@ -70,29 +89,57 @@ def export_hf(
     progress: Progress | None = None,
 ) -> GroupConfig:
     """Write ``checkpoint`` as servable ``name`` (default: the folder's name) under ``out``."""
-    servable = name or checkpoint.resolve().name
-    check_servable_name(servable, version)
-    config = load_config(checkpoint)
+    source = DecoderSource(
+        config=load_config(checkpoint),
+        tensors=Checkpoint(checkpoint, progress),
+        write_tokenizer=functools.partial(_copy_tokenizer, checkpoint),
+    )
+    return export_decoder(
+        source,
+        out,
+        name=name or checkpoint.resolve().name,
+        rank_size=rank_size,
+        stage_size=stage_size,
+        version=version,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+def export_decoder(
+    source: DecoderSource,
+    out: Path,
+    *,
+    name: str,
+    rank_size: int = 1,
+    stage_size: int = 1,
+    version: int = 1,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> GroupConfig:
+    """Check everything, then write ``source`` as servable ``name`` under ``out``."""
+    check_servable_name(name, version)
+    config = source.config
     plans = [plan_rank(config, rank_size, stage_size, r) for r in range(rank_size)]
-    weights = weight_source(Checkpoint(checkpoint, progress), config)
+    weights = weight_source(source.tensors, config)
     weights.check()
     report_progress(progress, f"{config.architecture}: {describe(config)}")
-    with _removed_on_failure(out / servable):
-        with staged_version(out / servable, version, overwrite=overwrite, tag="hf") as staging:
+    with _removed_on_failure(out / name):
+        with staged_version(out / name, version, overwrite=overwrite, tag=source.model) as staging:
             programs, ranks = [], []
             for plan in plans:
                 program, spec = _write_rank(staging, plan, config, weights)
                 programs.append(program)
                 ranks.append(spec)
                 report_progress(progress, _rank_line(plan.rank, rank_size, staging))
-            tokenizer = _copy_tokenizer(checkpoint, staging / TOKENIZER_DIR)
-            export = _export_plan(config, servable, version, rank_size, stage_size, programs)
-            export = _with_origin(export, config, tokenizer)
+            tokenizer = source.write_tokenizer(staging / TOKENIZER_DIR)
+            export = _export_plan(config, name, version, rank_size, stage_size, programs)
+            export = _with_origin(export, source, tokenizer)
             group = group_config(export, ranks)
             write_group(staging, group)
             write_rank_table(staging, rank_size)
-        write_text_atomic(out / servable / SERVABLE_CONFIG_FILE, servable_config_text(export))
-    report_progress(progress, f"wrote {out / servable / str(version)}")
+        write_text_atomic(out / name / SERVABLE_CONFIG_FILE, servable_config_text(export))
+    report_progress(progress, f"wrote {out / name / str(version)}")
     return group
 
 
@@ -209,11 +256,10 @@ def _signature_inputs(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     )
 
 
-def _with_origin(plan: ExportPlan, config: DecoderConfig, tokenizer: dict[str, str]) -> ExportPlan:
-    from dataclasses import replace
-
+def _with_origin(plan: ExportPlan, source: DecoderSource, tokenizer: dict[str, str]) -> ExportPlan:
+    config = source.config
     origin: dict[str, str | int | float | bool] = {
-        "model": "hf",
+        "model": source.model,
         # what the scheduler reads to serve it as a text-generation servable (GenerateRequest)
         "task": "text-generation",
         "architecture": config.architecture,

@@ -11,14 +11,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import numpy as np
 
-from shardserve.tools.export.hf.checkpoint import Checkpoint
 from shardserve.tools.export.hf.config import DecoderConfig
 from shardserve.tools.export.hf.plan import RankPlan
 
-__all__ = ["Linear", "Norm", "WeightSource", "weight_source"]
+__all__ = ["Linear", "Norm", "TensorSource", "WeightSource", "weight_source"]
+
+
+class TensorSource(Protocol):
+    """Tensors under their Hugging Face names, read as fp32 (a safetensors checkpoint, or a
+    GGUF file whose tensors are renamed and dequantized)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def check_shape(self, name: str, expected: tuple[int, ...]) -> None: ...
+
+    def read(
+        self, name: str, rows: slice | None = None, cols: slice | None = None
+    ) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -47,7 +60,7 @@ def _joined(parts: list[np.ndarray | None]) -> np.ndarray | None:
 class WeightSource:
     """Common reading; subclasses name the tensors of their architecture."""
 
-    def __init__(self, checkpoint: Checkpoint, config: DecoderConfig) -> None:
+    def __init__(self, checkpoint: TensorSource, config: DecoderConfig) -> None:
         self.ckpt, self.config = checkpoint, config
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -67,7 +80,7 @@ class WeightSource:
 
 
 class Gpt2Weights(WeightSource):
-    def __init__(self, checkpoint: Checkpoint, config: DecoderConfig) -> None:
+    def __init__(self, checkpoint: TensorSource, config: DecoderConfig) -> None:
         super().__init__(checkpoint, config)
         self.prefix = "transformer." if "transformer.wte.weight" in checkpoint else ""
 
@@ -209,6 +222,6 @@ class LlamaWeights(WeightSource):
         return self.ckpt.read(name, rows=vocab)
 
 
-def weight_source(checkpoint: Checkpoint, config: DecoderConfig) -> Gpt2Weights | LlamaWeights:
+def weight_source(checkpoint: TensorSource, config: DecoderConfig) -> Gpt2Weights | LlamaWeights:
     source = Gpt2Weights if config.family == "gpt2" else LlamaWeights
     return source(checkpoint, config)
