@@ -14,8 +14,8 @@ from pathlib import Path
 
 from tests.fuzz.run import run_fuzz
 
-FULL = (10_000, 10_000)
-QUICK = (200, 300)
+FULL = (10_000, 10_000, 10_000)
+QUICK = (200, 300, 0)  # (generation: by --generation N, see docs/operations.md)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -30,6 +30,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--amqp", type=int, default=None, metavar="N", help="AMQP messages (0: none)"
     )
+    parser.add_argument(
+        "--generation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests per generation route and malformed generate/cancel messages (0: none)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="matmul ranks of the mesh")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write figures")
     parser.add_argument("--workdir", type=Path, default=None, help="repository + mesh log")
@@ -38,11 +45,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
-    http, amqp = QUICK if args.quick else FULL
+    http, amqp, generation = QUICK if args.quick else FULL
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="shardserve-fuzz-"))
     http = http if args.http is None else args.http  # (0: that half is left out)
     amqp = amqp if args.amqp is None else args.amqp
-    run = run_fuzz(workdir, http, amqp, args.ranks)
+    generation = generation if args.generation is None else args.generation
+    run = run_fuzz(workdir, http, amqp, args.ranks, generation)
     print("\n".join(run.lines()), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(run.as_dict(), indent=2))

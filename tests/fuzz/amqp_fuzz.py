@@ -181,14 +181,18 @@ async def wait_for(condition: Any, within_s: float) -> bool:
 
 
 async def run_amqp_fuzz(
-    amqp_url: str, vhost: str, messages: list[BadMessage], settle_s: float
+    amqp_url: str,
+    vhost: str,
+    messages: list[BadMessage],
+    settle_s: float,
+    roles: tuple[str, ...] | None = None,
 ) -> AmqpTally:
-    """Publish ``messages`` round the consumer queues; wait for the dead letters; check
-    that every queue kept its consumers and was drained."""
+    """Publish ``messages`` round the consumer queues (of ``roles``: all when None); wait
+    for the dead letters; check that every queue kept its consumers and was drained."""
     tally = AmqpTally()
-    queues = consumer_queues(vhost)
-    roles = {q.role for q in queues}
-    for role in sorted(set(QUEUE_ROLES.values()) - roles):
+    wanted = set(roles or QUEUE_ROLES.values())
+    queues = [q for q in consumer_queues(vhost) if q.role in wanted]
+    for role in sorted(wanted - {q.role for q in queues}):
         tally.problems.append(f"no consumed queue of role {role}")
     stop = asyncio.Event()
     collector = asyncio.create_task(collect_dead_letters(amqp_url, tally, stop))

@@ -168,19 +168,21 @@ def bad_messages(draw: st.DrawFn, kinds: dict[str, type[BaseModel]]) -> BadMessa
     )
 
 
-def generate(count: int, seed: int = 0) -> list[BadMessage]:
+def generate(count: int, seed: int = 0, kinds: tuple[str, ...] | None = None) -> list[BadMessage]:
     """``count`` bad messages: refused by the decoding path, and lone fragments (one in
-    ``LONE_FRAGMENT_SHARE``, at random places)."""
+    ``LONE_FRAGMENT_SHARE``, at random places); ``kinds``: made from those kinds only."""
     rng = random.Random(seed)
-    messages = refused_messages(count - count // LONE_FRAGMENT_SHARE, seed)
+    messages = refused_messages(count - count // LONE_FRAGMENT_SHARE, seed, kinds)
     for _ in range(count // LONE_FRAGMENT_SHARE):
         messages.insert(rng.randint(0, len(messages)), lone_fragment(rng))
     return messages
 
 
-def refused_messages(count: int, seed: int) -> list[BadMessage]:
+def refused_messages(
+    count: int, seed: int, only: tuple[str, ...] | None = None
+) -> list[BadMessage]:
     """``count`` messages that the decoding path refuses, from Hypothesis."""
-    kinds = message_kinds()
+    kinds = {k: m for k, m in message_kinds().items() if only is None or k in only}
     found: list[BadMessage] = []
     refused = bad_messages(kinds).filter(is_refused)
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 from unittest import mock
 
 import requests
-from tests.fuzz import amqp_fuzz, amqp_messages, http_fuzz
+from tests.fuzz import amqp_fuzz, amqp_messages, generation_fuzz, http_fuzz
 from tests.fuzz.oip_spec import OIP_GENERATE_SPEC, OIP_SPEC, load_oip_spec
 from tests.fuzz.tally import HttpTally
 
@@ -32,12 +33,20 @@ DEMO_ELEMENT = -48.0
 # after this, not 120 s: well within the wait for dead letters (``fuzz_amqp``), so the
 # lone fragments among the bad messages come back as dead letters too.
 CHUNK_EXPIRY_ENV, CHUNK_EXPIRY_S = "SHARDSERVE_CHUNK_EXPIRY", "5"
+# The generation servable the fuzz reaches: the exported llama fixture at TP 2.
+HF_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama"
+GENERATION_SERVABLE = "llama_tp2"
+GENERATION_KINDS = ("generate.request", "generate.cancel")
+RANK_LOST_LINE = "no heartbeat for"
 
 
 @dataclass
 class FuzzRun:
     http: list[HttpTally] = field(default_factory=list)
     amqp: amqp_fuzz.AmqpTally | None = None
+    amqp_generation: amqp_fuzz.AmqpTally | None = None
+    streams: generation_fuzz.WellFormedStreams | None = None
+    ranks_lost: int = 0  # "no heartbeat" losses in the mesh log
     pids_before: dict[str, list[int]] = field(default_factory=dict)
     pids_lost: list[str] = field(default_factory=list)
     demo_ok: bool = False
@@ -45,15 +54,24 @@ class FuzzRun:
 
     @property
     def passed(self) -> bool:
-        amqp_ok = self.amqp is None or self.amqp.passed  # None: left out (--amqp 0)
+        amqp_ok = all(t is None or t.passed for t in (self.amqp, self.amqp_generation))
         fuzzed = (self.http or self.amqp) and all(t.passed for t in self.http) and amqp_ok
-        return bool(fuzzed) and not self.pids_lost and self.demo_ok
+        streams_ok = self.streams is None or self.streams.passed
+        clean = not self.pids_lost and not self.ranks_lost
+        return bool(fuzzed) and clean and self.demo_ok and streams_ok
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
             "http": [t.as_dict() for t in self.http],
             "amqp": None if self.amqp is None else self.amqp.as_dict(),
+            "amqp_generation": None
+            if self.amqp_generation is None
+            else self.amqp_generation.as_dict(),
+            "well_formed_streams": None
+            if self.streams is None
+            else {"right": self.streams.completed, "wrong": self.streams.wrong},
+            "ranks_lost": self.ranks_lost,
             "services": {k: len(v) for k, v in self.pids_before.items()},
             "services_lost": self.pids_lost,
             "demo_answers_-48": self.demo_ok,
@@ -65,6 +83,11 @@ class FuzzRun:
         total = sum(len(v) for v in self.pids_before.values())
         out = [t.summary() for t in self.http]
         out.append("amqp: not run" if self.amqp is None else self.amqp.summary())
+        if self.amqp_generation is not None:
+            out.append("generate/cancel " + self.amqp_generation.summary())
+        if self.streams is not None:
+            out.append(self.streams.summary())
+        out.append(f"ranks declared lost: {self.ranks_lost}")
         out.append(f"services alive {alive}/{total}; demo -48: {self.demo_ok}")
         out.append("seconds " + " ".join(f"{k}:{v:.0f}" for k, v in self.seconds.items()))
         out.append("PASSED" if self.passed else "FAILED")
@@ -120,6 +143,46 @@ def fuzz_http(run: FuzzRun, base_url: str, budget: int) -> None:
         print(tally.summary(), file=sys.stderr, flush=True)
 
 
+def fuzz_generation(run: FuzzRun, base_url: str, per_route: int) -> None:
+    """Each generation route ``per_route`` times, a well-formed stream running beside."""
+    reference = json.loads((HF_FIXTURE / "reference.json").read_text())["prompts"][0]
+    streams = generation_fuzz.WellFormedStreams(
+        base_url,
+        GENERATION_SERVABLE,
+        reference["text"],
+        reference["greedy_text"],
+        len(reference["greedy_ids"]),
+    )
+    beside = threading.Thread(target=streams.run, name="well-formed-streams")
+    beside.start()
+    try:
+        for route in generation_fuzz.ROUTES:
+            tally = HttpTally(f"generation-{route}")
+            started = time.monotonic()
+            generation_fuzz.fuzz_route(base_url, GENERATION_SERVABLE, route, tally, per_route)
+            run.seconds[f"generation-{route}"] = time.monotonic() - started
+            run.http.append(tally)
+            print(tally.summary(), file=sys.stderr, flush=True)
+    finally:
+        streams.stop.set()
+        beside.join()
+    run.streams = streams
+    print(streams.summary(), file=sys.stderr, flush=True)
+
+
+def fuzz_amqp_generation(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
+    """Malformed GenerateRequests and GenerateCancels into the request queue."""
+    messages = amqp_messages.generate(count, kinds=GENERATION_KINDS)
+    started = time.monotonic()
+    run.amqp_generation = asyncio.run(
+        amqp_fuzz.run_amqp_fuzz(
+            mesh.amqp_url, mesh.vhost or "/", messages, 30.0 + count / 500, roles=("request",)
+        )
+    )
+    run.seconds["amqp-generation"] = time.monotonic() - started
+    print("generate/cancel " + run.amqp_generation.summary(), file=sys.stderr, flush=True)
+
+
 def fuzz_amqp(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
     started = time.monotonic()
     messages = amqp_messages.generate(count)
@@ -132,9 +195,14 @@ def fuzz_amqp(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
     print(run.amqp.summary(), file=sys.stderr, flush=True)
 
 
-def run_fuzz(workdir: Path, http_budget: int, amqp_count: int, ranks: int) -> FuzzRun:
+def run_fuzz(
+    workdir: Path, http_budget: int, amqp_count: int, ranks: int, generation: int = 0
+) -> FuzzRun:
+    """``generation``: requests per generation route and malformed generate/cancel
+    messages (0: no generation servable, none sent)."""
     run = FuzzRun()
-    mesh = ChaosMesh(workdir, ranks=ranks)
+    served = {GENERATION_SERVABLE: HF_FIXTURE} if generation > 0 else {}
+    mesh = ChaosMesh(workdir, ranks=ranks, hf_checkpoints=served)
     try:
         started = time.monotonic()
         with mock.patch.dict(os.environ, {CHUNK_EXPIRY_ENV: CHUNK_EXPIRY_S}):
@@ -145,9 +213,14 @@ def run_fuzz(workdir: Path, http_budget: int, amqp_count: int, ranks: int) -> Fu
         run.pids_before = service_pids(mesh)
         if http_budget > 0:
             fuzz_http(run, mesh.http_url, http_budget)
+        if generation > 0:
+            fuzz_generation(run, mesh.http_url, generation)
         if amqp_count > 0:
             fuzz_amqp(run, mesh, amqp_count)
+        if generation > 0:
+            fuzz_amqp_generation(run, mesh, generation)
         run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
+        run.ranks_lost = mesh.log_path.read_text(errors="replace").count(RANK_LOST_LINE)
         run.demo_ok = demo_answers(mesh.http_url)
     finally:
         mesh.stop()

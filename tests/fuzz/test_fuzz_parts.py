@@ -128,3 +128,34 @@ def test_a_run_may_leave_one_half_out_but_must_fuzz_something() -> None:
     assert not FuzzRun(demo_ok=True).passed  # nothing fuzzed
     assert not FuzzRun(http=[http], amqp=AmqpTally(), demo_ok=True).passed  # amqp sent none
     assert not FuzzRun(http=[http], demo_ok=False).passed
+
+
+def test_generation_bodies_mix_well_formed_requests_and_poison() -> None:
+    """The generation fuzz reaches the servable (some bodies are valid requests that run)
+    and attacks it (others carry poison of every sort); generate/cancel messages only."""
+    import json
+
+    from hypothesis import HealthCheck, given, settings
+    from tests.fuzz.generation_fuzz import bodies
+
+    from shardserve_gateway.codecs.openai_requests import CompletionBody, parse
+
+    valid, poisoned = [], []
+
+    @settings(
+        max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(text=bodies("completions", "llama_tp2"))
+    def collect(text: str) -> None:
+        try:
+            body = parse(CompletionBody, json.loads(text))
+            body.sampling(body.max_tokens, body.logprobs)
+            body.prompt_kind()
+            valid.append(text)
+        except Exception:
+            poisoned.append(text)
+
+    collect()
+    assert len(valid) >= 5 and len(poisoned) >= 50
+    labels = {m.label.split("+")[0] for m in generate(30, seed=3, kinds=("generate.request",))}
+    assert {k for k in labels if k.startswith("kind:")} == {"kind:generate.request"}

@@ -41,6 +41,8 @@ class ChaosMesh:
     http_port: int = field(default_factory=free_port)
     vhost: str | None = None
     own_vhost: bool = True  # False: the broker is private to this mesh (no vhost needed)
+    # HF checkpoints served beside the matmul (name -> checkpoint folder), at TP 2
+    hf_checkpoints: dict[str, Path] = field(default_factory=dict)
     mesh: LocalMesh | None = field(default=None, repr=False)
 
     @property
@@ -57,12 +59,9 @@ class ChaosMesh:
 
     def export(self) -> Path:
         repo = self.workdir / "repo"
-        args = ["export", "matmul", "--rank-size", str(self.ranks), "--out", str(repo)]
-        done = subprocess.run(
-            [SHARDSERVE, *args, "--if-missing"], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise MeshError(f"export failed: {done.stderr.strip()}")
+        _export(["matmul", "--rank-size", str(self.ranks), "--out", str(repo)])
+        for name, checkpoint in self.hf_checkpoints.items():
+            _export(["hf", str(checkpoint), "--rank-size", "2", "--name", name, "--out", str(repo)])
         return repo
 
     def _make_vhost(self) -> None:
@@ -123,3 +122,11 @@ def _state(pid: int) -> str:
     except OSError:
         return "gone"
     return ""
+
+
+def _export(args: list[str]) -> None:
+    done = subprocess.run(
+        [SHARDSERVE, "export", *args, "--if-missing"], capture_output=True, text=True, timeout=300
+    )
+    if done.returncode != 0:
+        raise MeshError(f"export failed: {done.stderr.strip()}")
