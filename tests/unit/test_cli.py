@@ -339,3 +339,15 @@ def test_describe_group_names_every_rank(matmul_repo: Path) -> None:
     text = cli.describe_group(group)
     assert text.count("\n  rank ") == 4
     assert "seg0.onnx -> allgather" in text
+
+
+def test_describe_group_says_per_rank_files_bytes_and_checksum(matmul_repo: Path) -> None:
+    """Without --verbose: a count, the bytes on disk and the checksum; no file names."""
+    group: GroupConfig = load_group(matmul_repo, "matmul", 1)
+    folder = matmul_repo / "matmul" / "1"
+    lines = cli.describe_group(group, folder, verbose=False).splitlines()
+    for rank in group.ranks:
+        size = sum((folder / f"rank_{rank.rank}" / name).stat().st_size for name in rank.files)
+        line = next(x for x in lines if x.startswith(f"  rank {rank.rank} "))
+        assert f"{len(rank.files)} files, {size:,} bytes, checksum {rank.checksum[:12]}" in line
+        assert not any(name in line for name in rank.files)

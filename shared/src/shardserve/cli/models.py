@@ -52,6 +52,9 @@ def _add_common_export_options(parser: argparse.ArgumentParser, default_name: st
         action="store_true",
         help="keep a valid <out>/<name>/<version>; export (replacing a damaged one) otherwise",
     )
+    parser.add_argument(
+        "--verbose", action="store_true", help="list every rank's files and every stage's ops"
+    )
 
 
 def _export(
@@ -77,7 +80,8 @@ def _export(
             )
             return EXIT_USAGE
         common["overwrite"] = True
-    return report_or_fail(command, lambda: exporter(args.out, **common, **params))
+    produce = functools.partial(exporter, args.out, **common, **params)
+    return report_or_fail(command, produce, args.out, args.verbose)
 
 
 def _export_matmul(args: argparse.Namespace) -> int:
