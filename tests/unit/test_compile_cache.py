@@ -14,7 +14,14 @@ import onnx.numpy_helper
 import pytest
 
 from shardserve.repo.repository import load_group, verify_rank_files
-from shardserve.runtime.compile_cache import CompileCache, SessionConfig, cache_key, cpu_features
+from shardserve.runtime.compile_cache import (
+    CACHE_MODES,
+    CompileCache,
+    SessionConfig,
+    cache_key,
+    cpu_features,
+)
+from shardserve.runtime.thread_pools import NO_SPINNING
 from shardserve.tools.export.matmul import export_matmul
 
 BASE = dict(
@@ -54,6 +61,13 @@ def _run(session: object) -> np.ndarray:
 )
 def test_every_ingredient_changes_the_key(change: dict[str, object]) -> None:
     assert cache_key(**{**BASE, **change}) != cache_key(**BASE)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", CACHE_MODES)
+def test_sessions_get_their_thread_count_and_workers_that_never_spin(mode: str) -> None:
+    options = SessionConfig(intra_op_threads=3, mode=mode).options(optimize=True)  # type: ignore[arg-type]
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (3, 1)
+    assert [options.get_session_config_entry(key) for key, _ in NO_SPINNING] == ["0", "0"]
 
 
 def test_key_is_stable() -> None:

@@ -63,10 +63,20 @@ def test_this_process_has_at_least_one_usable_core() -> None:
 
 @pytest.mark.parametrize(
     ("agents", "cores", "threads"),
-    [(1, 1, 1), (3, 1, 1), (1, 2, 1), (8, 2, 1), (1, 8, 7), (2, 16, 7), (8, 16, 1), (4, 33, 8)],
+    [(1, 1, 1), (3, 1, 1), (1, 2, 2), (2, 2, 1), (8, 2, 1), (1, 8, 8), (3, 8, 2), (4, 33, 8)],
 )
-def test_agents_share_all_but_one_core(agents: int, cores: int, threads: int) -> None:
+def test_agents_share_the_cores_evenly(agents: int, cores: int, threads: int) -> None:
     assert threads_per_agent(agents, cores) == threads
+
+
+@pytest.mark.parametrize(
+    ("agents", "cores", "requested", "threads"),
+    [(1, 2, 1, 1), (1, 2, 2, 2), (1, 2, 8, 2), (2, 2, 2, 1), (4, 2, 3, 1), (2, 16, 3, 3)],
+)
+def test_a_requested_count_is_kept_up_to_the_share(
+    agents: int, cores: int, requested: int, threads: int
+) -> None:
+    assert threads_per_agent(agents, cores, requested) == threads
 
 
 def test_threads_option_takes_a_count_or_auto() -> None:
@@ -91,4 +101,5 @@ def test_up_gives_every_agent_its_share_unless_told(
     [spec, *_] = agent_specs(matmul_repo, groups[0], options, False)
     assert spec.argv[-2:] == ("--threads", str(options.threads))
     told, _ = with_agent_threads(UpOptions(threads=3), agents)
-    assert told.threads == 3
+    too_many, _ = with_agent_threads(UpOptions(threads=64), agents)
+    assert told.threads == 3 and too_many.threads == threads_per_agent(agents, 17)

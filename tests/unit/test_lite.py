@@ -236,10 +236,11 @@ def test_warmup_modes_are_the_cache_modes() -> None:
 
 
 def test_warmup_default_folders_are_hit_by_the_agent(repo: Path) -> None:
-    first = warmup(repo, servable="matmul", version=2)
+    first = warmup(repo, servable="matmul", version=2, threads=1)
     assert [(r.rank, r.status) for r in first] == [(0, "miss"), (1, "miss")]
     for rank in (0, 1):
-        loaded = load_slice(AgentSettings(repository=repo, servable="matmul", rank=rank))
+        settings = AgentSettings(repository=repo, servable="matmul", rank=rank, threads=1)
+        loaded = load_slice(settings)
         assert loaded.cache == "hit"
     assert [r.status for r in warmup(repo, servable="matmul", version=2)] == ["hit", "hit"]
 
@@ -249,7 +250,7 @@ def test_warmup_shared_folder_is_hit_by_the_agent_and_run_rank(repo: Path, tmp_p
     results = warmup(repo, cache_dir=folder)
     assert sorted((r.version, r.rank) for r in results) == [(1, 0), (2, 0), (2, 1)]
     settings = AgentSettings(
-        repository=repo, servable="matmul", version=2, rank=1, cache_dir=folder
+        repository=repo, servable="matmul", version=2, rank=1, cache_dir=folder, threads=1
     )
     assert load_slice(settings).cache == "hit"
     with build(repo / "matmul" / "1", lite.Context(rank_id=0, cache_dir=folder)) as model:
@@ -260,7 +261,7 @@ def test_warmup_cache_is_keyed_by_mode(repo: Path, tmp_path: Path) -> None:
     folder = tmp_path / "mem"
     warmup(repo, cache_dir=folder, mode="mem_opt", version=1, servable="matmul")
     settings = AgentSettings(
-        repository=repo, servable="matmul", version=1, rank=0, cache_dir=folder
+        repository=repo, servable="matmul", version=1, rank=0, cache_dir=folder, threads=1
     )
     assert load_slice(settings).cache == "miss"  # the agent runs standard: another entry
 

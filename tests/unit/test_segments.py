@@ -106,8 +106,12 @@ def test_warmup_then_the_agent_and_lite_hit_a_rank_with_shared_weights(
     twin_repo: Path, tmp_path: Path
 ) -> None:
     folder = tmp_path / "shipped"
-    assert cli_main(["warmup", str(twin_repo), "--cache-dir", str(folder)]) == 0
-    settings = AgentSettings(repository=twin_repo, servable="twin", rank=0, cache_dir=folder)
+    # one thread throughout: a standalone run defaults to 1, warmup and agents to the cores
+    warm = ["warmup", str(twin_repo), "--cache-dir", str(folder), "--threads", "1"]
+    assert cli_main(warm) == 0
+    settings = AgentSettings(
+        repository=twin_repo, servable="twin", rank=0, cache_dir=folder, threads=1
+    )
     loaded = load_slice(settings)
     assert set(loaded.shared_weights.values) == {"W"}  # the key includes the shared names
     assert loaded.cache == "hit"

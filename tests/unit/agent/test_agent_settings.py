@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shardserve.process.cores import usable_cores
 from shardserve_agent.settings import parse_settings
 
 REQUIRED = ["--repository", "/models", "--servable", "matmul", "--rank", "1"]
@@ -14,7 +15,12 @@ REQUIRED = ["--repository", "/models", "--servable", "matmul", "--rank", "1"]
 def test_defaults() -> None:
     s = parse_settings(REQUIRED, environ={})
     assert (s.repository, s.servable, s.rank, s.version) == (Path("/models"), "matmul", 1, None)
-    assert (s.threads, s.use_cache, s.cache_dir, s.max_memory_mb) == (1, True, None, None)
+    assert (s.threads, s.use_cache, s.cache_dir, s.max_memory_mb) == (
+        usable_cores(),  # auto
+        True,
+        None,
+        None,
+    )
     assert (s.heartbeat_interval, s.drain_seconds) == (1.0, 10.0)
 
 
@@ -70,8 +76,6 @@ def test_default_cache_dir_follows_xdg(tmp_path: Path) -> None:
 
 
 def test_threads_auto_is_every_usable_core() -> None:
-    from shardserve.process.cores import usable_cores
-
     assert parse_settings([*REQUIRED, "--threads", "auto"], environ={}).threads == usable_cores()
     auto_env = {"SHARDSERVE_AGENT_THREADS": "auto"}
     assert parse_settings(REQUIRED, environ=auto_env).threads == usable_cores()

@@ -64,9 +64,11 @@ KV_CACHE_HELP = (
 )
 
 THREADS_HELP = (
-    "onnxruntime intra-op threads per session (default 1; auto: every core this process may "
-    "use, its affinity capped by its cgroup CPU quota, e.g. one agent per container with a "
-    "CPU limit)"
+    "onnxruntime intra-op threads per session; their workers sleep while they wait (no "
+    "spinning), so the sessions of a slice take turns on the same cores. Default auto: "
+    "every core this process may use, its affinity capped by its cgroup CPU quota (one "
+    "agent per container with a CPU limit); 'shardserve up' passes each agent its share "
+    "of the host's cores instead"
 )
 
 
@@ -99,7 +101,7 @@ class AgentSettings:
     )
     threads: int = option(
         "--threads",
-        1,
+        None,
         parse=threads_count,
         help=THREADS_HELP,
         to_field=lambda count: count or usable_cores(),  # None: "auto"

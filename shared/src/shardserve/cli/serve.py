@@ -56,7 +56,8 @@ def build_up(subparsers: Subparsers) -> None:
         type=threads_count,
         default=None,
         help="onnxruntime threads per agent; default auto: an even share of the cores this "
-        "process may use (affinity, cgroup quota), one core left for the other services",
+        "process may use (affinity, cgroup quota) among the agents it starts, at least 1; "
+        "a count above that share is lowered to it (extra threads only preempt each other)",
     )
     parser.add_argument("--no-cache", action="store_true", help="agents skip the session cache")
     parser.add_argument(

@@ -140,8 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=threads_count,
         default=None,
-        help="onnxruntime threads, as the agents' (default auto: what 'shardserve up' gives "
-        "each agent of this repository on this machine)",
+        help="onnxruntime threads, as 'shardserve up --threads' gives each agent of this "
+        "repository on this machine (default auto: an even share of the cores; a count "
+        "above that share is lowered to it, as 'up' does)",
     )
     parser.add_argument(
         "--share-weights",
@@ -154,20 +155,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", type=int, default=None, help="only this version")
 
 
-def up_threads(repo: Path) -> int:
-    """The thread count ``shardserve up`` gives each agent of ``repo`` here: its own rule
-    (``with_agent_threads``) over the versions it would find at start."""
+def up_threads(repo: Path, requested: int | None = None) -> int:
+    """The thread count ``shardserve up [--threads requested]`` gives each agent of
+    ``repo`` here: its own rule (``with_agent_threads``) over the versions it would find
+    at start."""
     from shardserve.ops.launch.plan import UpOptions, discover_groups, with_agent_threads
 
     agents = sum(group.rank_size for group in discover_groups(repo))
-    options, _ = with_agent_threads(UpOptions(), agents)
+    options, _ = with_agent_threads(UpOptions(threads=requested), agents)
     assert options.threads is not None
     return options.threads
 
 
 def run_warmup(args: argparse.Namespace) -> int:
     try:
-        threads = args.threads or up_threads(args.repository)
+        threads = up_threads(args.repository, args.threads)
         print(f"onnxruntime threads: {threads}", flush=True)
         results = warmup(
             args.repository,

@@ -56,6 +56,7 @@ import onnxruntime as ort
 
 from shardserve.repo.external import check_external_data
 from shardserve.repo.repository import sha256_file
+from shardserve.runtime.thread_pools import set_threads
 
 _logger = logging.getLogger(__name__)
 
@@ -104,8 +105,7 @@ class SessionConfig:
     ) -> ort.SessionOptions:
         """Session options; shared ``initializers`` replace the model's own copies."""
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.intra_op_threads
-        opts.inter_op_num_threads = self.inter_op_threads
+        set_threads(opts, self.intra_op_threads, self.inter_op_threads)
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         level = getattr(ort.GraphOptimizationLevel, self.opt_level_name)
         opts.graph_optimization_level = (

@@ -351,8 +351,10 @@ SessionFactory = Callable[[Path], object]
 def _default_session(path: Path) -> object:
     import onnxruntime as ort
 
+    from shardserve.runtime.thread_pools import set_threads
+
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    set_threads(options, 1)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 

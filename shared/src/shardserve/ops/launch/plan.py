@@ -46,12 +46,11 @@ class UpOptions:
 
 
 def with_agent_threads(options: UpOptions, agents: int) -> tuple[UpOptions, int]:
-    """``options`` with a thread count for every agent (an even share of the usable cores
-    when none was given: ``shardserve.process.cores``), and the usable cores."""
+    """``options`` with a thread count for every agent: an even share of the usable cores,
+    or the count asked for when it is smaller (``shardserve.process.cores``); and the usable
+    cores."""
     cores = usable_cores()
-    if options.threads is not None:
-        return options, cores
-    return replace(options, threads=threads_per_agent(agents, cores)), cores
+    return replace(options, threads=threads_per_agent(agents, cores, options.threads)), cores
 
 
 def group_key(group: GroupConfig) -> GroupKey:
