@@ -68,6 +68,7 @@ def test_sessions_get_their_thread_count_and_workers_that_never_spin(mode: str) 
     options = SessionConfig(intra_op_threads=3, mode=mode).options(optimize=True)  # type: ignore[arg-type]
     assert (options.intra_op_num_threads, options.inter_op_num_threads) == (3, 1)
     assert [options.get_session_config_entry(key) for key, _ in NO_SPINNING] == ["0", "0"]
+    assert not options.enable_cpu_mem_arena  # one arena per session kept each one's peak
 
 
 def test_key_is_stable() -> None:

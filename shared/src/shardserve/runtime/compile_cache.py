@@ -16,9 +16,12 @@ flags are in the key. Treat the folder like code: only the agent's user may writ
 Shared by the agent, ``shardserve warmup`` (fills the cache ahead of time) and the
 standalone per-rank run (``shardserve.lite``): all three compute the same key, so a cache
 built by one is hit by the others. Two modes, as in MindSpore Lite's config file:
-``standard`` (the agent's: ORT_ENABLE_ALL, onnxruntime's memory arena and planned memory
-patterns) and ``mem_opt`` (lower peak memory: extended optimizations without the
-CPU-layout rewrites, no arena, no pre-planned patterns). The mode changes the saved graph,
+``standard`` (the agent's: ORT_ENABLE_ALL, planned memory patterns) and ``mem_opt``
+(lower peak memory: extended optimizations without the CPU-layout rewrites, no
+pre-planned patterns). Neither keeps onnxruntime's CPU memory arena: each session has its
+own, holding its largest run's activations rounded up to a power of two, and a rank's
+13 sessions kept 286 MB that way after 32 sequences (125 M Llama, TP 1) for no measured
+speed (docs/performance.md, A rank's memory). The mode changes the saved graph,
 so it is part of the key (through the optimization level, and by name).
 
 A mem_opt entry is a folder ``<key>.mem_opt/`` (``model.onnx`` + ``model.onnx.data``, the
@@ -111,10 +114,10 @@ class SessionConfig:
         opts.graph_optimization_level = (
             level if optimize else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         )
+        # Activations come from malloc, which hands freed blocks back to the next run.
+        opts.enable_cpu_mem_arena = False
         if self.mode == "mem_opt":
-            # Allocate per run instead of keeping onnxruntime's arena and planned buffers.
-            opts.enable_cpu_mem_arena = False
-            opts.enable_mem_pattern = False
+            opts.enable_mem_pattern = False  # allocate per run, no planned buffers
         for name, value in (initializers or {}).items():
             opts.add_initializer(name, value)
         if initializers or not prepack:
