@@ -28,12 +28,11 @@ client cannot blow up the label space.
 
 from __future__ import annotations
 
-import bisect
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from shardserve.wire.protocol import MeshStatus
 from shardserve_gateway.generation.metrics import GenerationMetrics
+from shardserve_gateway.histogram import Histogram
 from shardserve_gateway.mesh_metrics import render_mesh
 
 LATENCY_BUCKETS_S: tuple[float, ...] = (
@@ -56,23 +55,13 @@ UNKNOWN = "_unknown"
 Labels = tuple[str, str]
 
 
-@dataclass
-class _Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS_S, seconds)] += 1
-        self.total += seconds
-
-
 class Metrics:
     """Request counts by outcome, latency histogram, in-flight gauge."""
 
     def __init__(self) -> None:
         self.requests: dict[tuple[str, str, int], int] = defaultdict(int)
         self.errors: dict[tuple[str, str, int], int] = defaultdict(int)
-        self.latency: dict[Labels, _Histogram] = defaultdict(_Histogram)
+        self.latency: dict[Labels, Histogram] = defaultdict(lambda: Histogram(LATENCY_BUCKETS_S))
         self.inflight = 0
         self.generation = GenerationMetrics()
 
@@ -146,17 +135,7 @@ class Metrics:
             f"# TYPE {name} histogram",
         ]
         for (servable, method), hist in sorted(self.latency.items()):
-            cumulative = 0
-            for bound, count in zip(LATENCY_BUCKETS_S, hist.counts, strict=False):
-                cumulative += count
-                le = _labels(servable=servable, method=method, le=f"{bound:g}")
-                lines.append(f"{name}_bucket{le} {cumulative}")
-            cumulative += hist.counts[-1]
-            base = _labels(servable=servable, method=method)
-            inf = _labels(servable=servable, method=method, le="+Inf")
-            lines.append(f"{name}_bucket{inf} {cumulative}")
-            lines.append(f"{name}_sum{base} {hist.total:.6f}")
-            lines.append(f"{name}_count{base} {cumulative}")
+            lines += hist.render(name, servable=servable, method=method)
         return lines
 
 

@@ -13,13 +13,12 @@ included), as vLLM's benchmark measures them at the client.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from shardserve.wire.protocol import GenerateChunk
+from shardserve_gateway.histogram import Histogram
 from shardserve_gateway.mesh_metrics import labels
 
 # A decode step is milliseconds to a second; a first token can wait in the queue for long.
@@ -41,27 +40,6 @@ TOKEN_BUCKETS_S: tuple[float, ...] = (
 )
 
 
-@dataclass
-class Histogram:
-    counts: list[int] = field(default_factory=lambda: [0] * (len(TOKEN_BUCKETS_S) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(TOKEN_BUCKETS_S, seconds)] += 1
-        self.total += seconds
-
-    def render(self, name: str, servable: str) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, count in zip(TOKEN_BUCKETS_S, self.counts, strict=False):
-            cumulative += count
-            lines.append(f"{name}_bucket{labels(servable=servable, le=f'{bound:g}')} {cumulative}")
-        cumulative += self.counts[-1]
-        lines.append(f"{name}_bucket{labels(servable=servable, le='+Inf')} {cumulative}")
-        lines.append(f"{name}_sum{labels(servable=servable)} {self.total:.6f}")
-        lines.append(f"{name}_count{labels(servable=servable)} {cumulative}")
-        return lines
-
-
 HISTOGRAMS = (
     ("ttft", "time_to_first_token_seconds", "Time from request to the first token."),
     ("itl", "inter_token_latency_seconds", "Time between chunks carrying tokens."),
@@ -78,7 +56,7 @@ class GenerationMetrics:
 
     def __init__(self) -> None:
         self.histograms: dict[str, dict[str, Histogram]] = {
-            key: defaultdict(Histogram) for key, _, _ in HISTOGRAMS
+            key: defaultdict(lambda: Histogram(TOKEN_BUCKETS_S)) for key, _, _ in HISTOGRAMS
         }
         self.tokens: dict[str, dict[str, int]] = {key: defaultdict(int) for key, _, _ in COUNTERS}
 
@@ -88,7 +66,7 @@ class GenerationMetrics:
             name = f"shardserve_gateway_{suffix}"
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
             for servable, histogram in sorted(self.histograms[key].items()):
-                lines += histogram.render(name, servable)
+                lines += histogram.render(name, servable=servable)
         for key, suffix, help_text in COUNTERS:
             name = f"shardserve_gateway_{suffix}"
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
