@@ -137,10 +137,22 @@ def write_checkpoint(
 # ---------------------------------------------------------------- numpy reference forward
 
 
-def reference_logits(kind: str, weights: Weights, ids: list[int]) -> np.ndarray:
-    """Logits [T, V] of the whole sequence ``ids``, float64, no cache."""
+def reference_logits(
+    kind: str, weights: Weights, ids: list[int], head: np.ndarray | None = None
+) -> np.ndarray:
+    """Logits [T, V] of the whole sequence ``ids``, float64, no cache; ``head`` [V, H]
+    replaces the LM head (a tied head's quantized copy, the embedding staying as it is)."""
     w = {n: a.astype(np.float64) for n, a in weights.items()}
-    return _gpt2(w, ids) if kind == "gpt2" else _llama(kind, w, ids)
+    hidden = _gpt2(w, ids) if kind == "gpt2" else _llama(kind, w, ids)
+    return hidden @ (default_head(kind, w) if head is None else head.astype(np.float64)).T
+
+
+def default_head(kind: str, w: Weights) -> np.ndarray:
+    """The LM head [V, H]: the token embedding when tied."""
+    if kind == "gpt2":
+        return w["transformer.wte.weight"]
+    tied = CONFIGS[kind]["tie_word_embeddings"]
+    return w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -175,8 +187,7 @@ def _gpt2(w: Weights, ids: list[int]) -> np.ndarray:
         f = m @ w[f"{b}mlp.c_fc.weight"] + w[f"{b}mlp.c_fc.bias"]
         f = 0.5 * f * (1 + np.tanh(np.sqrt(2 / np.pi) * (f + 0.044715 * f**3)))
         x = x + f @ w[f"{b}mlp.c_proj.weight"] + w[f"{b}mlp.c_proj.bias"]
-    x = _layer_norm(x, w[f"{p}ln_f.weight"], w[f"{p}ln_f.bias"], eps)
-    return x @ w[f"{p}wte.weight"].T
+    return _layer_norm(x, w[f"{p}ln_f.weight"], w[f"{p}ln_f.bias"], eps)
 
 
 def _rms(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
@@ -215,6 +226,4 @@ def _llama(kind: str, w: Weights, ids: list[int]) -> np.ndarray:
         m = _rms(x, w[f"{b}post_attention_layernorm.weight"], eps)
         gate, up = _linear(w, f"{b}mlp.gate_proj", m), _linear(w, f"{b}mlp.up_proj", m)
         x = x + _linear(w, f"{b}mlp.down_proj", gate / (1 + np.exp(-gate)) * up)
-    x = _rms(x, w["model.norm.weight"], eps)
-    head = w["model.embed_tokens.weight"] if c["tie_word_embeddings"] else w["lm_head.weight"]
-    return x @ head.T
+    return _rms(x, w["model.norm.weight"], eps)

@@ -101,7 +101,8 @@ def numpy_greedy(checkpoint: Path, ids: list[int], new_tokens: int) -> list[int]
     weights = load_file(checkpoint / "model.safetensors")
     ids = list(ids)
     for _ in range(new_tokens):
-        logits = hf_checkpoints._llama("capped_llama", weights, ids)
+        hidden = hf_checkpoints._llama("capped_llama", weights, ids)
+        logits = hidden @ hf_checkpoints.default_head("capped_llama", weights).T
         ids.append(int(np.argmax(logits[-1])))
     return ids[-new_tokens:]
 

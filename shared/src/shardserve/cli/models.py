@@ -43,6 +43,7 @@ def _add_common_export_options(parser: argparse.ArgumentParser, default_name: st
         default=default_name,
         help="servable name (hf: the checkpoint folder's name; gguf: the file's)",
     )
+    add_quantize_options(parser)
     existing = parser.add_mutually_exclusive_group()
     existing.add_argument(
         "--overwrite", action="store_true", help="replace an existing <out>/<name>/<version>"
@@ -55,6 +56,40 @@ def _add_common_export_options(parser: argparse.ArgumentParser, default_name: st
     parser.add_argument(
         "--verbose", action="store_true", help="list every rank's files and every stage's ops"
     )
+
+
+def add_quantize_options(parser: argparse.ArgumentParser) -> None:
+    """``--quantize`` and its two knobs, the same wherever slices are written."""
+    parser.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        default=None,
+        help="weight-only block-wise quantization of every linear layer of each rank's slice "
+        "(onnxruntime MatMulNBits); default: fp32",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=32,
+        help="weights per quantization block along K (a power of two >= 16; default 32)",
+    )
+    parser.add_argument(
+        "--accuracy-level",
+        type=int,
+        choices=(0, 4),
+        default=4,
+        help="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (fast, "
+        "default); 0 keeps them fp32 (exact against the dequantized weights, slow for int8)",
+    )
+
+
+def quantize_spec(args: argparse.Namespace) -> Any:
+    """The QuantizeSpec the options ask for, or None (fp32)."""
+    if args.quantize is None:
+        return None
+    from shardserve.tools.quantize import QuantizeSpec
+
+    return QuantizeSpec(args.quantize, args.block_size, args.accuracy_level)
 
 
 def _export(
@@ -80,8 +115,15 @@ def _export(
             )
             return EXIT_USAGE
         common["overwrite"] = True
-    produce = functools.partial(exporter, args.out, **common, **params)
+    def produce() -> GroupConfig:
+        return exporter(args.out, **common, **_quantize_param(args), **params)
+
     return report_or_fail(command, produce, args.out, args.verbose)
+
+
+def _quantize_param(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"quantize": spec}`` when asked (built here so a bad block size is reported)."""
+    return {} if args.quantize is None else {"quantize": quantize_spec(args)}
 
 
 def _export_matmul(args: argparse.Namespace) -> int:
@@ -223,6 +265,7 @@ def _run_slice(args: argparse.Namespace) -> int:
             name=args.name,
             version=args.version,
             progress=stderr_progress,
+            quantize=quantize_spec(args),
         )
     except (ExportError, RepositoryError) as exc:
         print(f"shardserve slice: error: {exc}", file=sys.stderr)
@@ -253,6 +296,7 @@ def build_slice(subparsers: Subparsers) -> None:
     parser.add_argument("--out", type=Path, required=True, help="model repository folder")
     parser.add_argument("--name", default=None, help="servable name (default: model file stem)")
     parser.add_argument("--version", type=positive_int, default=1)
+    add_quantize_options(parser)
     parser.set_defaults(handler=_run_slice)
 
 

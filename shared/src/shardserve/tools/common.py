@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -44,6 +44,7 @@ from shardserve.tools.onnx_graph import (
     finish_model,
     model_bytes,
 )
+from shardserve.tools.quantize.graph import QuantizeSpec, quantize_segments, quantized_origin
 from shardserve.wire.protocol import TensorSpec
 
 Progress = Callable[[str], None]
@@ -149,8 +150,10 @@ def write_version(
     segments_for_rank: SegmentsForRank,
     progress: Progress | None = None,
     overwrite: bool = False,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
-    """Write ``out/<servable>/<version>/`` and ``out/<servable>/servable_config.py``.
+    """Write ``out/<servable>/<version>/`` and ``out/<servable>/servable_config.py``
+    (each rank's segments quantized by ``quantize`` when given).
 
     The version folder is built under a temporary name and renamed into place, so a
     reader never sees half a version. An existing version is refused unless ``overwrite``.
@@ -158,8 +161,13 @@ def write_version(
     check_servable_name(plan.servable, plan.version)
     check_layout(plan.rank_size, plan.stage_size)
     servable_dir = out / plan.servable
+    plan = replace(plan, origin=quantized_origin(plan.origin, quantize))
+
+    def quantized_for_rank(rank: int) -> Mapping[str, onnx.ModelProto]:
+        return quantize_segments(segments_for_rank(rank), quantize)
+
     with staged_version(servable_dir, plan.version, overwrite=overwrite) as staging:
-        group = _write_version_files(staging, plan, segments_for_rank, progress)
+        group = _write_version_files(staging, plan, quantized_for_rank, progress)
     write_text_atomic(servable_dir / SERVABLE_CONFIG_FILE, servable_config_text(plan))
     final = servable_dir / str(plan.version)
     report_progress(progress, f"wrote {final} ({plan.rank_size} ranks, {plan.stage_size} stages)")

@@ -11,7 +11,7 @@ included, is listed in the RankSpec with its sha256.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -41,6 +41,7 @@ from shardserve.tools.common import (
     write_rank_table,
     write_text_atomic,
 )
+from shardserve.tools.quantize.graph import QuantizeSpec, quantize_segments, quantized_origin
 from shardserve.wire.protocol import TensorSpec
 
 # protobuf refuses messages of 2 GiB and more; leave room for the graph itself.
@@ -76,10 +77,13 @@ def write_slices(
     slice_for_rank: Callable[[int], RankSlice],
     progress: Progress | None = None,
     external_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Write ``out/<servable>/<version>/`` (built aside, renamed into place) and
-    ``out/<servable>/servable_config.py``; an existing version folder is refused."""
+    ``out/<servable>/servable_config.py``; an existing version folder is refused. With
+    ``quantize``, each rank's segments are quantized after slicing."""
     check_servable_name(layout.servable, layout.version)
+    layout = replace(layout, origin=quantized_origin(layout.origin, quantize))
     per_stage = check_layout(layout.rank_size, layout.stage_size)
     servable_dir = out / layout.servable
     with staged_version(servable_dir, layout.version, tag="slice") as staging:
@@ -87,6 +91,7 @@ def write_slices(
         ranks: list[RankSpec] = []
         for rank in range(layout.rank_size):
             piece = slice_for_rank(rank)
+            piece = replace(piece, segments=quantize_segments(piece.segments, quantize))
             programs.append(_same_program(programs, piece, rank, per_stage))
             spec = _write_rank(staging, rank, rank // per_stage, piece, external_threshold)
             ranks.append(spec)

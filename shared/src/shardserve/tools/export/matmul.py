@@ -27,6 +27,7 @@ from shardserve.tools.common import (
     split_range,
     write_version,
 )
+from shardserve.tools.quantize.graph import QuantizeSpec
 from shardserve.wire.protocol import TensorSpec
 
 Strategy = Literal["column", "row"]
@@ -48,6 +49,7 @@ def export_matmul(
     name: str = "matmul",
     progress: Progress | None = None,
     overwrite: bool = False,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Write the matmul servable into the repository ``out``, cut for ``rank_size`` ranks.
 
@@ -82,7 +84,9 @@ def export_matmul(
             return {SEG0: _neg_segment(parts, index, rank)}
         return _matmul_segments(strategy, parts, index, rank, with_neg=stage_size == 1)
 
-    return write_version(out, plan, segments_for_rank, progress, overwrite=overwrite)
+    return write_version(
+        out, plan, segments_for_rank, progress, overwrite=overwrite, quantize=quantize
+    )
 
 
 def reference_model() -> onnx.ModelProto:

@@ -27,6 +27,7 @@ from shardserve.tools.common import (
     split_range,
     write_version,
 )
+from shardserve.tools.quantize.graph import QuantizeSpec
 from shardserve.wire.protocol import TensorSpec
 
 BATCH = "batch"  # the dynamic batch dimension of x and y
@@ -65,6 +66,7 @@ def export_mlp(
     name: str = "mlp",
     progress: Progress | None = None,
     overwrite: bool = False,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Write the MLP servable into the repository ``out``, cut for ``rank_size`` ranks.
 
@@ -103,7 +105,9 @@ def export_mlp(
         stage, index = divmod(rank, parts)
         return _stage_segments(params, shape, blocks[stage], parts, index, rank)
 
-    return write_version(out, plan, segments_for_rank, progress, overwrite=overwrite)
+    return write_version(
+        out, plan, segments_for_rank, progress, overwrite=overwrite, quantize=quantize
+    )
 
 
 def reference_model(

@@ -48,6 +48,7 @@ from shardserve.tools.export.transformer_weights import (
     random_weights,
     weight_shapes,
 )
+from shardserve.tools.quantize.graph import QuantizeSpec
 from shardserve.tools.slice_writer import RankSlice, SliceLayout, write_slices
 from shardserve.wire.protocol import TensorSpec
 
@@ -344,6 +345,7 @@ def export_transformer(
     version: int = 1,
     name: str = "transformer",
     progress: Progress | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Write the transformer as servable ``name`` version ``version`` under repository ``out``."""
     shape = TransformerShape(layers, hidden, heads, vocab, max_seq)
@@ -375,4 +377,10 @@ def export_transformer(
             "seed": seed if weights is None else -1,
         },
     )
-    return write_slices(out, plan, lambda rank: build_rank(shape, values, layout, rank), progress)
+    return write_slices(
+        out,
+        plan,
+        lambda rank: build_rank(shape, values, layout, rank),
+        progress,
+        quantize=quantize,
+    )

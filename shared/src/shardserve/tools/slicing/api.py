@@ -23,6 +23,7 @@ from onnx import numpy_helper
 
 from shardserve.errors import ExportError
 from shardserve.repo.repository import GroupConfig
+from shardserve.tools.quantize.graph import QuantizeSpec
 from shardserve.tools.slice_writer import (
     EXTERNAL_DATA_THRESHOLD,
     RankSlice,
@@ -82,6 +83,7 @@ def tensor_parallel(
     version: int = 1,
     progress: Progress | None = None,
     external_threshold: int = EXTERNAL_DATA_THRESHOLD,
+    quantize: QuantizeSpec | None = None,
 ) -> tuple[GroupConfig, list[str]]:
     """Cut into stages, split each stage over ``ranks`` ranks; returns (group, report)."""
     if ranks < 1 or stages < 1:
@@ -121,7 +123,7 @@ def tensor_parallel(
         origin={"source": model_path.name, "tool": "shardserve.slicing", "tensor_parallel": ranks},
     )
     _check_identifiers(layout)
-    group = write_slices(out, layout, slice_for_rank, progress, external_threshold)
+    group = write_slices(out, layout, slice_for_rank, progress, external_threshold, quantize)
     return group, report
 
 

@@ -50,6 +50,7 @@ from shardserve.tools.export.hf.weights import (
     TensorSource,
     weight_source,
 )
+from shardserve.tools.quantize import QuantizeSpec, quantize_model
 from shardserve.tools.slice_writer import EXTERNAL_DATA_THRESHOLD, save_model
 from shardserve.wire.protocol import TensorSpec
 
@@ -87,8 +88,10 @@ def export_hf(
     version: int = 1,
     overwrite: bool = False,
     progress: Progress | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
-    """Write ``checkpoint`` as servable ``name`` (default: the folder's name) under ``out``."""
+    """Write ``checkpoint`` as servable ``name`` (default: the folder's name) under ``out``;
+    with ``quantize``, each rank's linear layers are quantized as its segments are written."""
     source = DecoderSource(
         config=load_config(checkpoint),
         tensors=Checkpoint(checkpoint, progress),
@@ -103,6 +106,7 @@ def export_hf(
         version=version,
         overwrite=overwrite,
         progress=progress,
+        quantize=quantize,
     )
 
 
@@ -116,6 +120,7 @@ def export_decoder(
     version: int = 1,
     overwrite: bool = False,
     progress: Progress | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Check everything, then write ``source`` as servable ``name`` under ``out``."""
     check_servable_name(name, version)
@@ -128,13 +133,13 @@ def export_decoder(
         with staged_version(out / name, version, overwrite=overwrite, tag=source.model) as staging:
             programs, ranks = [], []
             for plan in plans:
-                program, spec = _write_rank(staging, plan, config, weights)
+                program, spec = _write_rank(staging, plan, config, weights, quantize)
                 programs.append(program)
                 ranks.append(spec)
                 report_progress(progress, _rank_line(plan.rank, rank_size, staging))
             tokenizer = source.write_tokenizer(staging / TOKENIZER_DIR)
             export = _export_plan(config, name, version, rank_size, stage_size, programs)
-            export = _with_origin(export, source, tokenizer)
+            export = _with_origin(export, source, tokenizer, quantize)
             group = group_config(export, ranks)
             write_group(staging, group)
             write_rank_table(staging, rank_size)
@@ -164,7 +169,11 @@ def _removed_on_failure(servable_dir: Path) -> Iterator[None]:
 
 
 def _write_rank(
-    folder: Path, plan: RankPlan, config: DecoderConfig, weights: Gpt2Weights | LlamaWeights
+    folder: Path,
+    plan: RankPlan,
+    config: DecoderConfig,
+    weights: Gpt2Weights | LlamaWeights,
+    quantize: QuantizeSpec | None,
 ) -> tuple[tuple[ProgramOp, ...], RankSpec]:
     """Build one rank, writing each segment as soon as it is finished."""
     rank_folder = folder / f"rank_{plan.rank}"
@@ -172,6 +181,8 @@ def _write_rank(
     files: dict[str, str] = {}
 
     def write(name: str, model: onnx.ModelProto) -> None:
+        if quantize is not None:
+            model = quantize_model(model, quantize)
         for written in save_model(model, rank_folder / name, EXTERNAL_DATA_THRESHOLD):
             files[written] = sha256_file(rank_folder / written)
 
@@ -256,7 +267,12 @@ def _signature_inputs(config: DecoderConfig) -> tuple[TensorSpec, ...]:
     )
 
 
-def _with_origin(plan: ExportPlan, source: DecoderSource, tokenizer: dict[str, str]) -> ExportPlan:
+def _with_origin(
+    plan: ExportPlan,
+    source: DecoderSource,
+    tokenizer: dict[str, str],
+    quantize: QuantizeSpec | None,
+) -> ExportPlan:
     config = source.config
     origin: dict[str, str | int | float | bool] = {
         "model": source.model,
@@ -272,5 +288,6 @@ def _with_origin(plan: ExportPlan, source: DecoderSource, tokenizer: dict[str, s
         "max_positions": config.max_positions,
         "eos_token_ids": ",".join(str(i) for i in config.eos_token_ids),
         **tokenizer,
+        **(quantize.origin() if quantize is not None else {}),
     }
     return replace(plan, origin=origin)

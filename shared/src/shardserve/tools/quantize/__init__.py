@@ -1,0 +1,29 @@
+"""Weight-only block-wise quantization of slices (``--quantize int8|int4``): the blocks
+(``blocks``), the ``MatMulNBits`` node built from them (``nodes``) and the pass over a
+segment (``graph``)."""
+
+from shardserve.tools.quantize.blocks import QuantizedBlocks, dequantize, quantize_blocks
+from shardserve.tools.quantize.graph import (
+    DEFAULT_BLOCK_SIZE,
+    PRECISIONS,
+    QuantizeSpec,
+    quantize_model,
+    quantize_segments,
+    quantized_origin,
+)
+from shardserve.tools.quantize.nodes import DEFAULT_ACCURACY_LEVEL, NBitsMatMul, matmul_nbits
+
+__all__ = [
+    "DEFAULT_ACCURACY_LEVEL",
+    "DEFAULT_BLOCK_SIZE",
+    "PRECISIONS",
+    "NBitsMatMul",
+    "QuantizeSpec",
+    "QuantizedBlocks",
+    "dequantize",
+    "matmul_nbits",
+    "quantize_blocks",
+    "quantize_model",
+    "quantize_segments",
+    "quantized_origin",
+]

@@ -1,0 +1,176 @@
+"""The quantization pass over one ONNX segment: every linear layer whose weight is a
+constant 2-D float initializer (``MatMul(x, W)``, ``Gemm(x, W[, bias])`` with
+``alpha = beta = 1`` and ``transA = 0``) becomes a ``MatMulNBits``; everything else
+(embedding ``Gather``s, norms, activations, the KV cache outside the graph) stays fp32.
+
+Run per rank after slicing, so each rank quantizes only the weights it holds and a block
+never straddles two ranks' parts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from shardserve.errors import ExportError
+from shardserve.tools.quantize.blocks import check_block_size, quantize_blocks
+from shardserve.tools.quantize.nodes import (
+    ACCURACY_LEVELS,
+    DEFAULT_ACCURACY_LEVEL,
+    MS_DOMAIN,
+    NBitsMatMul,
+    matmul_nbits,
+)
+
+__all__ = [
+    "PRECISIONS",
+    "QuantizeSpec",
+    "quantize_model",
+    "quantize_segments",
+    "quantized_origin",
+]
+
+PRECISIONS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """How a slice's linear layers are quantized (``--quantize``, ``--block-size``,
+    ``--accuracy-level``)."""
+
+    precision: str
+    block_size: int = DEFAULT_BLOCK_SIZE
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ExportError(
+                f"quantize precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}"
+            )
+        check_block_size(self.bits, self.block_size)
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ExportError(
+                f"accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}"
+            )
+
+    @property
+    def bits(self) -> int:
+        return PRECISIONS[self.precision]
+
+    def origin(self) -> dict[str, str | int]:
+        """What group.json's ``origin`` records: the precision is part of the slice."""
+        return {
+            "quantize": self.precision,
+            "quantize_block_size": self.block_size,
+            "quantize_accuracy_level": self.accuracy_level,
+        }
+
+
+def quantize_model(model: onnx.ModelProto, spec: QuantizeSpec) -> onnx.ModelProto:
+    """A copy of ``model`` with its constant-weight linear layers as ``MatMulNBits``."""
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    uses = Counter(name for node in graph.node for name in node.input)
+    nodes: list[onnx.NodeProto] = []
+    added: list[onnx.TensorProto] = []
+    consumed: set[str] = set()
+    for node in graph.node:
+        replacement = _replace(node, weights, spec)
+        if replacement is None:
+            nodes.append(node)
+            continue
+        nodes.append(replacement.node)
+        added.extend(replacement.initializers)
+        consumed.update(n for n in node.input[1:] if n)
+    if not added:
+        return model
+    kept = [t for t in graph.initializer if t.name not in consumed or uses[t.name] > 1]
+    return _rebuilt(model, nodes, [*kept, *added])
+
+
+def _replace(
+    node: onnx.NodeProto, weights: dict[str, onnx.TensorProto], spec: QuantizeSpec
+) -> NBitsMatMul | None:
+    linear = _linear(node, weights)
+    if linear is None:
+        return None
+    weight_nk, bias = linear
+    blocks = quantize_blocks(weight_nk, spec.bits, spec.block_size)
+    return matmul_nbits(
+        node.input[1],
+        blocks,
+        activation=node.input[0],
+        output=node.output[0],
+        accuracy_level=spec.accuracy_level,
+        bias=bias,
+        node_name=node.name or None,
+    )
+
+
+def _linear(
+    node: onnx.NodeProto, weights: dict[str, onnx.TensorProto]
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """``(W [N, K], bias [N] or None)`` of a linear node with constant weights, else None."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm"):
+        return None
+    weight = _float_matrix(weights.get(node.input[1]))
+    if weight is None:
+        return None
+    if node.op_type == "MatMul":
+        return np.ascontiguousarray(weight.T), None
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0 or attrs.get("transA"):
+        return None
+    weight_nk = weight if attrs.get("transB") else np.ascontiguousarray(weight.T)
+    if len(node.input) < 3 or not node.input[2]:
+        return weight_nk, None
+    bias = weights.get(node.input[2])
+    if bias is None or tuple(bias.dims) != (weight_nk.shape[0],):
+        return None  # a broadcast or computed bias: leave the node as it is
+    return weight_nk, numpy_helper.to_array(bias).astype(np.float32)
+
+
+def _float_matrix(tensor: onnx.TensorProto | None) -> np.ndarray | None:
+    if tensor is None or tensor.data_type != TensorProto.FLOAT or len(tensor.dims) != 2:
+        return None
+    if tensor.data_location == TensorProto.EXTERNAL:
+        raise ExportError(
+            f"weight {tensor.name!r} is in an external data file: load it into the model first"
+        )
+    return numpy_helper.to_array(tensor)
+
+
+def _rebuilt(
+    model: onnx.ModelProto, nodes: list[onnx.NodeProto], initializers: list[onnx.TensorProto]
+) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(initializers)
+    if not any(o.domain == MS_DOMAIN for o in copy.opset_import):
+        copy.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return copy
+
+
+def quantize_segments(
+    segments: Mapping[str, onnx.ModelProto], spec: QuantizeSpec | None
+) -> dict[str, onnx.ModelProto]:
+    """A rank's segments (file name -> model) quantized by ``spec`` (as they are if None)."""
+    if spec is None:
+        return dict(segments)
+    return {name: quantize_model(model, spec) for name, model in segments.items()}
+
+
+def quantized_origin(
+    origin: Mapping[str, str | int | float | bool], spec: QuantizeSpec | None
+) -> dict[str, str | int | float | bool]:
+    """group.json's ``origin`` with the precision recorded (unchanged for fp32)."""
+    return {**origin, **(spec.origin() if spec is not None else {})}
