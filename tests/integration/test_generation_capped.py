@@ -2,7 +2,9 @@
 
 A Llama-shaped checkpoint written here (numpy + safetensors) whose weights are larger than
 one agent's memory cap (RLIMIT_DATA) is served at TP 4 by `shardserve up --max-memory-mb CAP
---kv-cache-mb 1`: its greedy tokens equal a numpy forward of the same weights.
+--kv-cache-mb 1`: its greedy tokens equal a numpy forward of the same weights. Exported
+``--quantize int4``, the same checkpoint is served by 2 agents under a cap below even one
+rank's fp32 share, its greedy tokens those of a numpy forward of the dequantized blocks.
 The 1 MiB KV budget holds 64 tokens per rank, so a request that needs more gets 400 naming
 the limit, one that cannot fit now waits, and one more than the waiting queue holds gets
 503 with Retry-After.
@@ -23,11 +25,13 @@ import aiohttp
 import hf_checkpoints
 import numpy as np
 import pytest
+from quantized_reference import dequantized_weights
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from shardserve.ops.child_mesh import LocalMesh
 from shardserve.tools.export.hf import export_hf
+from shardserve.tools.quantize import QuantizeSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import (
@@ -57,6 +61,10 @@ MAX_WAITING = 1
 SHAPE = {"hidden": 2048, "layers": 4, "intermediate": 5632, "kv_heads": 32, "max_positions": 512}
 # layers x (K, V) x 8 KV heads per rank x 64 x 4 bytes: 16 KiB a token, 64 tokens a rank.
 KV_TOKENS = KV_MB * 2**20 // (SHAPE["layers"] * 2 * (32 // RANKS) * 64 * 4)
+# int4 at TP 2: each rank's fp32 share would be 395 MiB; its int4 slice is ~60 MiB.
+INT4_RANKS = 2
+INT4_CAP_MB = 300
+INT4 = QuantizeSpec("int4", 32, accuracy_level=0)  # fp32 activations: exact vs numpy
 PROMPT_IDS = [0, 17, 42, 99, 7, 230]
 NEW_TOKENS = 4
 TOKENIZER = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
@@ -92,17 +100,39 @@ def mesh(
         mesh.stop()
 
 
-def numpy_greedy(checkpoint: Path, ids: list[int], new_tokens: int) -> list[int]:
-    """Greedy tokens of a numpy forward of the checkpoint (no cache)."""
+@pytest.fixture(scope="module")
+def int4_mesh(
+    checkpoint: Path, isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalMesh]:
+    repo = tmp_path_factory.mktemp("repo_int4")
+    export_hf(checkpoint, repo, rank_size=INT4_RANKS, name=SERVABLE, quantize=INT4)
+    log = tmp_path_factory.mktemp("mesh_int4") / "mesh.log"
+    up_args = ("--max-memory-mb", str(INT4_CAP_MB), "--kv-cache-mb", str(KV_MB), "--no-cache")
+    mesh = start_mesh(repo, isolated_amqp_url, log, up_args)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def numpy_greedy(
+    checkpoint: Path, ids: list[int], new_tokens: int, quantize: QuantizeSpec | None = None
+) -> list[int]:
+    """Greedy tokens of a numpy forward of the checkpoint (no cache); with ``quantize``,
+    of its linear layers' dequantized blocks."""
     config = json.loads((checkpoint / "config.json").read_text())
     config["rope_theta"] = config["rope_parameters"]["rope_theta"]
     hf_checkpoints.CONFIGS["capped_llama"] = config
     # float32, as served: a float64 copy of these weights costs more time than it buys.
     weights = load_file(checkpoint / "model.safetensors")
+    head = hf_checkpoints.default_head("capped_llama", weights)
+    if quantize is not None:
+        weights, head = dequantized_weights(
+            "capped_llama", weights, quantize.bits, quantize.block_size
+        )
     ids = list(ids)
     for _ in range(new_tokens):
-        hidden = hf_checkpoints._llama("capped_llama", weights, ids)
-        logits = hidden @ hf_checkpoints.default_head("capped_llama", weights).T
+        logits = hf_checkpoints._llama("capped_llama", weights, ids) @ head.T
         ids.append(int(np.argmax(logits[-1])))
     return ids[-new_tokens:]
 
@@ -166,6 +196,23 @@ async def test_weights_larger_than_one_agents_cap_generate_across_capped_agents(
         f"weights {weights_mb:.0f} MiB, cap {CAP_MB} MiB, agents' data {max(data):.0f} MiB "
         f"(address space peak {max(address):.0f} MiB), {new_tokens} tokens in {took:.2f} s"
     )
+
+
+async def test_int4_slices_generate_on_agents_capped_below_a_ranks_fp32_share(
+    int4_mesh: LocalMesh, checkpoint: Path
+) -> None:
+    expected = await asyncio.to_thread(numpy_greedy, checkpoint, PROMPT_IDS, NEW_TOKENS, INT4)
+    weights_mb = (checkpoint / "model.safetensors").stat().st_size / 2**20
+    assert weights_mb / INT4_RANKS > INT4_CAP_MB, "an fp32 rank would fit the cap"
+    async with aiohttp.ClientSession() as session:
+        response = await completion(session, int4_mesh, NEW_TOKENS)
+        assert response.status == 200, await response.text()
+        body = await response.json()
+    assert body["choices"][0]["text"] == TOKENIZER.decode(expected, skip_special_tokens=True)
+    agents = int4_mesh.service_pids("agent")
+    assert [limit_mb(pid, "Max data size") for pid in agents] == [INT4_CAP_MB] * INT4_RANKS
+    data = [status_mb(pid, "VmData") for pid in agents]
+    print(f"int4: weights {weights_mb:.0f} MiB fp32, cap {INT4_CAP_MB} MiB, data {max(data):.0f}")
 
 
 async def test_a_request_that_can_never_fit_gets_400_naming_the_limit(mesh: LocalMesh) -> None:
