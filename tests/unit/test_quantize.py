@@ -277,3 +277,23 @@ def test_a_bad_block_size_is_a_usage_error(
     assert main([*args, "--quantize", "int4", "--block-size", "48"]) == 2
     assert "block size must be a power of two >= 16, got 48" in capsys.readouterr().err
     assert not (tmp_path / "llama").exists()
+
+
+def test_int4_mixed_keeps_the_mlp_down_projection_at_8_bits(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    export_hf(checkpoints["llama"], tmp_path, name="mixed", quantize=QuantizeSpec("int4-mixed", 16))
+    formats: dict[str, set[tuple[int, int]]] = {}
+    for path in sorted((tmp_path / "mixed/1/rank_0").glob("*.onnx")):
+        for node in onnx.load(path).graph.node:
+            if node.op_type == "MatMulNBits":
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                weight = node.input[1].split(".")[0]
+                formats.setdefault(weight, set()).add((attrs["bits"], attrs["block_size"]))
+    assert formats == {
+        "qkv": {(4, 16)},
+        "o_proj": {(4, 16)},
+        "mlp_in": {(4, 16)},
+        "mlp_out": {(8, 32)},
+        "lm_head": {(4, 16)},
+    }

@@ -62,10 +62,10 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
     """``--quantize`` and its two knobs, the same wherever slices are written."""
     parser.add_argument(
         "--quantize",
-        choices=("int8", "int4"),
+        choices=("int8", "int4", "int4-mixed"),
         default=None,
         help="weight-only block-wise quantization of every linear layer of each rank's slice "
-        "(onnxruntime MatMulNBits); default: fp32",
+        "(onnxruntime MatMulNBits; int4-mixed: the MLP down projection at int8); default: fp32",
     )
     parser.add_argument(
         "--block-size",

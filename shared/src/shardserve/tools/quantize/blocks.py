@@ -32,6 +32,7 @@ __all__ = [
 SUPPORTED_BITS = (4, 8)
 # Scale shrink factors tried per block by the error search (1.0 = the plain max scale).
 SEARCH_ALPHAS = np.linspace(0.7, 1.0, 16, dtype=np.float32)
+SEARCH_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -118,14 +119,31 @@ def _codes(blocks: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
 
 
 def _searched_scales(blocks: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
-    """Per block, the scale ``alpha * max scale`` with the least squared error."""
+    """Per block, the scale ``alpha * max scale`` with the least squared error (rows in
+    chunks, so the temporaries stay in cache)."""
+    best = scales.copy()
+    for start in range(0, len(blocks), SEARCH_ROWS):
+        rows = slice(start, start + SEARCH_ROWS)
+        best[rows] = _search_rows(blocks[rows], scales[rows], zero)
+    return best
+
+
+def _search_rows(blocks: np.ndarray, scales: np.ndarray, zero: int) -> np.ndarray:
     best, best_error = scales, np.full(scales.shape, np.inf, dtype=np.float32)
+    work = np.empty_like(blocks)
     for alpha in SEARCH_ALPHAS:
-        trial = (scales * alpha).astype(np.float32)
-        codes = _codes(blocks, trial, zero).astype(np.float32) - np.float32(zero)
-        error = np.square(codes * trial[..., None] - blocks).sum(axis=-1)
+        trial = (scales * alpha).astype(np.float32)[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            np.divide(blocks, trial, out=work)
+        np.nan_to_num(work, copy=False, nan=0.0)  # all-zero blocks: scale 0, codes zero
+        np.rint(work, out=work)
+        np.clip(work, -zero, zero - 1, out=work)
+        np.multiply(work, trial, out=work)
+        np.subtract(work, blocks, out=work)
+        np.square(work, out=work)
+        error = work.sum(axis=-1)
         better = error < best_error
-        best = np.where(better, trial, best)
+        best = np.where(better, trial[..., 0], best)
         best_error = np.where(better, error, best_error)
     return best.astype(np.float32)
 

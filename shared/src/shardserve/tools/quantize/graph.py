@@ -35,7 +35,11 @@ __all__ = [
     "quantized_origin",
 ]
 
-PRECISIONS = {"int8": 8, "int4": 4}
+PRECISIONS = {"int8": 8, "int4": 4, "int4-mixed": 4}
+# int4-mixed: the MLP's down projection (the Hugging Face exporter's ``mlp_out`` weights, the
+# layer whose 4-bit error costs the most perplexity) at 8 bits in blocks of 32.
+MIXED_8BIT_PREFIXES = ("mlp_out.",)
+MIXED_8BIT_BLOCK = 32
 DEFAULT_BLOCK_SIZE = 32
 
 
@@ -62,6 +66,12 @@ class QuantizeSpec:
     @property
     def bits(self) -> int:
         return PRECISIONS[self.precision]
+
+    def format_for(self, weight_name: str) -> tuple[int, int]:
+        """(bits, block size) of one weight."""
+        if self.precision == "int4-mixed" and weight_name.startswith(MIXED_8BIT_PREFIXES):
+            return 8, MIXED_8BIT_BLOCK
+        return self.bits, self.block_size
 
     def origin(self) -> dict[str, str | int]:
         """What group.json's ``origin`` records: the precision is part of the slice."""
@@ -101,7 +111,7 @@ def _replace(
     if linear is None:
         return None
     weight_nk, bias = linear
-    blocks = quantize_blocks(weight_nk, spec.bits, spec.block_size)
+    blocks = quantize_blocks(weight_nk, *spec.format_for(node.input[1]))
     return matmul_nbits(
         node.input[1],
         blocks,
