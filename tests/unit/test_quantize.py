@@ -279,7 +279,7 @@ def test_a_bad_block_size_is_a_usage_error(
     assert not (tmp_path / "llama").exists()
 
 
-def test_int4_mixed_keeps_the_mlp_down_projection_at_8_bits(
+def test_int4_mixed_keeps_the_mlp_down_projection_and_the_head_at_8_bits(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     export_hf(checkpoints["llama"], tmp_path, name="mixed", quantize=QuantizeSpec("int4-mixed", 16))
@@ -295,5 +295,5 @@ def test_int4_mixed_keeps_the_mlp_down_projection_at_8_bits(
         "o_proj": {(4, 16)},
         "mlp_in": {(4, 16)},
         "mlp_out": {(8, 32)},
-        "lm_head": {(4, 16)},
+        "lm_head": {(8, 32)},
     }

@@ -65,7 +65,8 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
         choices=("int8", "int4", "int4-mixed"),
         default=None,
         help="weight-only block-wise quantization of every linear layer of each rank's slice "
-        "(onnxruntime MatMulNBits; int4-mixed: the MLP down projection at int8); default: fp32",
+        "(onnxruntime MatMulNBits; int4-mixed: MLP down projection and LM head at int8); "
+        "default: fp32",
     )
     parser.add_argument(
         "--block-size",
