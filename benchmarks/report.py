@@ -248,6 +248,7 @@ def facts_table(results: dict[str, Any]) -> list[str]:
                 f"trip {raw_ms} ms, mesh/raw {fmt(vs)} ({ok})"
             )
     lines += allreduce_lines(results)
+    lines += [f"{key}: {value}" for key, value in results.items() if key.startswith("quality.")]
     for name, entry in (results.get("memory") or {}).items():
         lines.append(f"memory {name}: RSS {entry['rss_mb']} MB, slice {entry['slice_mb']} MB")
     return lines

@@ -506,6 +506,14 @@ def generate(run: Run) -> None:
     raise_failures(run)
 
 
+def quality(run: Run) -> None:
+    """What ``--quantize`` costs (``benchmarks.quality``): perplexity and top-1 agreement
+    against fp32 on a pre-trained checkpoint."""
+    from benchmarks.quality import quality as quality_benchmark
+
+    quality_benchmark(run)
+
+
 SCENARIOS: dict[str, Callable[[Run], None]] = {
     "direct": direct,
     "floor": floor,
@@ -523,4 +531,5 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "allreduce": allreduce,
     "cache": cache,
     "generate": generate,
+    "quality": quality,
 }

@@ -265,7 +265,8 @@ def test_write_json(tmp_path: Path) -> None:
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
     expected |= {"pipeline", "floor-numeric", "gateway-alone"}
-    assert expected | {"memory", "large", "allreduce", "cache", "generate"} == set(SCENARIOS)
+    expected |= {"memory", "large", "allreduce", "cache", "generate", "quality"}
+    assert expected == set(SCENARIOS)
 
 
 def test_allreduce_lines_pair_the_algorithms_in_size_order() -> None:
