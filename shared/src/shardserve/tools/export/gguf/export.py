@@ -15,6 +15,7 @@ from shardserve.tools.export.gguf.file import GgufFile
 from shardserve.tools.export.gguf.tensors import GgufTensors
 from shardserve.tools.export.gguf.tokenizer import write_tokenizer
 from shardserve.tools.export.hf.export import DecoderSource, export_decoder
+from shardserve.tools.quantize import QuantizeSpec
 
 __all__ = ["default_name", "export_gguf"]
 
@@ -37,8 +38,10 @@ def export_gguf(
     version: int = 1,
     overwrite: bool = False,
     progress: Progress | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
-    """Write ``gguf_file`` as servable ``name`` (default: from the file name) under ``out``."""
+    """Write ``gguf_file`` as servable ``name`` (default: from the file name) under ``out``
+    (its fp32 weights quantized per rank by ``quantize`` when given)."""
     file = GgufFile(gguf_file)
     config = decoder_config(file)
     source = DecoderSource(
@@ -56,4 +59,5 @@ def export_gguf(
         version=version,
         overwrite=overwrite,
         progress=progress,
+        quantize=quantize,
     )
