@@ -116,6 +116,7 @@ def _export(
             )
             return EXIT_USAGE
         common["overwrite"] = True
+
     def produce() -> GroupConfig:
         return exporter(args.out, **common, **_quantize_param(args), **params)
 
