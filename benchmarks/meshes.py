@@ -61,6 +61,7 @@ def running_mesh(
     gateways: int = 1,
     ready_timeout: float = 300.0,
     up_args: tuple[str, ...] = (),
+    grpc: bool = False,
 ) -> Iterator[Mesh]:
     """``shardserve up REPO --http-port P --gateways N`` until the gateway is ready (all
     ``gateways`` of them listening, so that a load's connections spread over them);
@@ -68,10 +69,12 @@ def running_mesh(
 
     ``env`` adds service options (``SHARDSERVE_SCHEDULER_MAX_BATCH_SIZE=...``): every
     service option defaults from its environment variable, and children inherit it.
-    ``up_args`` adds ``shardserve up`` options (``--threads 1``)."""
+    ``up_args`` adds ``shardserve up`` options (``--threads 1``); ``grpc`` gives the
+    gateway a gRPC port (``mesh.grpc_port``)."""
     port = free_port()
     log = logs / f"mesh-{repo.name}-{port}.log"
-    mesh = Mesh(repo, amqp_url, port, log, ("--gateways", str(gateways), *up_args), env or {})
+    up = ("--gateways", str(gateways), *up_args)
+    mesh = Mesh(repo, amqp_url, port, log, up, env or {}, free_port() if grpc else 0)
     mesh.start()
     try:
         mesh.ready_s = mesh.wait_ready(ready_timeout)

@@ -144,6 +144,21 @@ def compute_ratios(results: dict[str, Any]) -> list[Ratio]:
             "the same for the model alone: onnxruntime in-process, a thread per stage",
         ),
         memory_ratio(r),
+        Ratio(
+            "gRPC / REST binary c32 on the demo (req/s)",
+            _div(_get(r, "grpc-demo.grpc.c32", "rps"), _get(r, "grpc-demo.rest-binary.c32", "rps")),
+            ">= 1.0",
+            "ModelInfer with raw tensors vs the binary tensor extension, TP8 matmul",
+        ),
+        Ratio(
+            "gRPC / REST binary c1 on the demo (p50 ms)",
+            _div(
+                _get(r, "grpc-demo.grpc.c1", "p50_ms"),
+                _get(r, "grpc-demo.rest-binary.c1", "p50_ms"),
+            ),
+            "<= 1.0",
+            "one client at a time: latency of a lone request",
+        ),
         *_generation_ratios(r),
     ]
 

@@ -46,9 +46,14 @@ class Run:
         err = f"  errors {result.errors} ({result.first_error[:120]})" if result.errors else ""
         print(f"  {key:<28} {rps}  {lat}{err}", flush=True)
 
-    def mesh(self, repo: Path, env: dict[str, str] | None = None) -> AbstractContextManager[Mesh]:
-        """``shardserve up REPO`` with this run's gateway count, until the block ends."""
-        return running_mesh(repo, self.amqp_url, self.logs, env=env, gateways=self.gateways)
+    def mesh(
+        self, repo: Path, env: dict[str, str] | None = None, *, grpc: bool = False
+    ) -> AbstractContextManager[Mesh]:
+        """``shardserve up REPO`` with this run's gateway count, until the block ends
+        (``grpc``: its gateway serves gRPC too, on ``mesh.grpc_port``)."""
+        return running_mesh(
+            repo, self.amqp_url, self.logs, env=env, gateways=self.gateways, grpc=grpc
+        )
 
     def repo(self, key: str, build: Callable[[Path], object]) -> Path:
         """An exported repository, built once per run."""

@@ -29,6 +29,7 @@ import onnxruntime as ort
 from benchmarks.bodies import Body, make_body, matmul_input, mlp_input
 from benchmarks.broker_hop import Requester
 from benchmarks.ceilings import batching_ceiling, pipeline_ceiling
+from benchmarks.grpc_client import infer_request, load_grpc
 from benchmarks.loadgen import LoadResult, LoadSpec, load_http, run_load, summarize
 from benchmarks.meshes import (
     CpuMeter,
@@ -268,6 +269,31 @@ def tp8(run: Run) -> None:
         run.results["tp8.ready_s"] = round(mesh.ready_s, 2)
         url = mesh.infer_url("matmul")
         load_matrix(run, "tp8", url, points, matmul_input(), mesh_pids(mesh))
+
+
+def grpc_demo(run: Run) -> None:
+    """The gRPC API beside REST binary on the demo (matmul over 8 ranks) at 1 and 32
+    clients, the two interleaved point by point on one mesh."""
+    inputs = matmul_input()
+    body, request = make_body("binary", inputs), infer_request("matmul", inputs)
+    with run.mesh(matmul_repo(run, 8), grpc=True) as mesh:
+        url, address = mesh.infer_url("matmul"), f"127.0.0.1:{mesh.grpc_port}"
+        pids = mesh_pids(mesh)
+        for concurrency in (1, 32):
+            http_load(run, f"grpc-demo.rest-binary.c{concurrency}", url, body, concurrency, pids)
+            grpc_load(run, f"grpc-demo.grpc.c{concurrency}", address, request, concurrency, pids)
+
+
+def grpc_load(
+    run: Run, key: str, address: str, request: bytes, concurrency: int, pids: dict[str, int]
+) -> LoadResult:
+    """One gRPC load point, with the CPU ms each process spent per request."""
+    meter = CpuMeter({**pids, "loadgen": os.getpid()})
+    result = asyncio.run(load_grpc(address, request, run.spec(concurrency)))
+    cpu = meter.per_request(result.calls_total)
+    run.record(key, result, body_bytes=len(request), body="grpc", cpu_ms_per_request=cpu)
+    print(f"    cpu ms/request: {cpu}", flush=True)
+    return result
 
 
 def pp16(run: Run) -> None:
@@ -523,6 +549,7 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "gateway-alone": gateway_alone,
     "mesh1": mesh1,
     "tp8": tp8,
+    "grpc": grpc_demo,
     "pp16": pp16,
     "batching": batching,
     "pipeline": pipeline,

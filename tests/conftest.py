@@ -9,6 +9,7 @@ another's.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,10 @@ sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from shardserve.ops.child_mesh import base_amqp_url, isolated_vhost
 from shardserve.process.settings import AMQP_URL_ENV
+
+# Gateways that tests start (children inherit this) serve no gRPC unless a test gives a
+# port: the default 8001 would collide between concurrent test runs on one machine.
+os.environ.setdefault("SHARDSERVE_GATEWAY_GRPC_PORT", "0")
 
 
 def _broker_reachable(url: str) -> bool:

@@ -104,8 +104,9 @@ def test_interpolate_reads_like_compose() -> None:
     assert interpolate("${A:-x}", {"A": ""}) == "x"  # `:-` also replaces an empty value
 
 
-def _gateway_port_mapping(env: dict[str, str]) -> tuple[str, str, str]:
-    [mapping] = SERVICES["gateway"]["ports"]
+def _gateway_port_mapping(env: dict[str, str], which: int = 0) -> tuple[str, str, str]:
+    """The gateway's published ports: [0] HTTP, [1] gRPC."""
+    mapping = SERVICES["gateway"]["ports"][which]
     address, host_port, container_port = interpolate(mapping, env).split(":")
     return address, host_port, container_port
 
@@ -118,6 +119,9 @@ def test_gateway_listens_on_all_interfaces_and_publishes_a_variable_port() -> No
     # One string with variables: an override file would append a second mapping instead.
     local = {"SHARDSERVE_GATEWAY_ADDRESS": "127.0.0.1", "SHARDSERVE_GATEWAY_PORT": "18080"}
     assert _gateway_port_mapping(local) == ("127.0.0.1", "18080", args["--http-port"])
+    assert _gateway_port_mapping({}, 1) == ("0.0.0.0", "8001", args["--grpc-port"])
+    grpc = {"SHARDSERVE_GATEWAY_GRPC_HOST_PORT": "18001"}
+    assert _gateway_port_mapping(grpc, 1) == ("0.0.0.0", "18001", args["--grpc-port"])
 
 
 def test_only_export_builds_the_image_the_others_run_by_name() -> None:

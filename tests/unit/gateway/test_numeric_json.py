@@ -13,7 +13,7 @@ from shardserve.errors import BadInputError
 from shardserve_gateway.codecs import numeric_json
 from shardserve_gateway.codecs.kserve import (
     KServeRequest,
-    _decode_document,
+    decode_document,
     decode_request,
     parse_json_object,
 )
@@ -27,9 +27,9 @@ def _body(datatype: str, data: str, shape: str = "[2]") -> bytes:
 def _regular(raw: bytes) -> KServeRequest:
     """The path every body took before numeric_json (orjson, the stdlib on refusals)."""
     try:
-        return _decode_document(parse_json_object(raw), None)
+        return decode_document(parse_json_object(raw), None)
     except BadInputError:
-        return _decode_document(parse_json_object(raw, exact=True), None)
+        return decode_document(parse_json_object(raw, exact=True), None)
 
 
 def _numeric(raw: bytes) -> KServeRequest:

@@ -11,15 +11,18 @@ resources close in reverse order (reply consumer, status consumer, broker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import sys
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from shardserve.errors import ShardserveError
 from shardserve.process.lifecycle import run_service, setup_logging
 from shardserve_gateway.app import BROKER_STARTUP_KEY, create_app
+from shardserve_gateway.grpcapi.server import start_grpc
 from shardserve_gateway.settings import GatewaySettings, build_parser
 from shardserve_gateway.state import INFLIGHT_KEY, MESH_VIEW_KEY
 
@@ -64,13 +67,29 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
         _logger.info(
             "gateway %s listening on %s:%d", settings.gateway_id, settings.host, settings.http_port
         )
-        failure = await _until_stopped(app, stop)
-        await drain(app, settings.drain_seconds)
+        async with _grpc_served(app, settings):
+            failure = await _until_stopped(app, stop)
+            await drain(app, settings.drain_seconds)
     finally:
         await runner.cleanup()
     if failure is not None:
         raise failure
     _logger.info("gateway stopped")
+
+
+@contextlib.asynccontextmanager
+async def _grpc_served(app: web.Application, settings: GatewaySettings) -> AsyncIterator[None]:
+    """Serve gRPC on ``--grpc-port`` (unless 0) while the body runs; after the drain, calls
+    still open are cancelled."""
+    if not settings.grpc_port:
+        yield
+        return
+    server = await start_grpc(app)
+    _logger.info("gateway gRPC listening on %s:%d", settings.host, settings.grpc_port)
+    try:
+        yield
+    finally:
+        await server.stop(grace=None)
 
 
 async def _until_stopped(app: web.Application, stop: asyncio.Event) -> BaseException | None:

@@ -39,6 +39,12 @@ class GatewaySettings:
 
     host: str = option("--host", "127.0.0.1")
     http_port: int = option("--http-port", 8080, parse=int)
+    grpc_port: int = option(
+        "--grpc-port",
+        8001,
+        parse=int,
+        help="port of the KServe v2 / Triton gRPC API (0: no gRPC)",
+    )
     default_timeout_s: float = option(
         "--default-timeout",
         30.0,
@@ -131,7 +137,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         os.environ if environ is None else environ,
         prefix=ENV_PREFIX,
         prog="shardserve_gateway",
-        description="HTTP front door of shardserve: KServe v2 and MindSpore Serving REST.",
+        description="Front door of shardserve: KServe v2 REST and gRPC, MindSpore Serving REST.",
     )
 
 

@@ -23,6 +23,7 @@ def _run_up(args: argparse.Namespace) -> int:
         repository=args.repository,
         host=args.host,
         http_port=args.http_port,
+        grpc_port=args.grpc_port,
         wait_agents_seconds=args.wait_agents_seconds,
         threads=args.threads,
         no_cache=args.no_cache,
@@ -50,6 +51,13 @@ def build_up(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--http-port", type=int, default=8080)
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="the gateway's KServe v2 / Triton gRPC port (0: none; default: the gateway's, "
+        "8001 or SHARDSERVE_GATEWAY_GRPC_PORT)",
+    )
     parser.add_argument("--wait-agents-seconds", type=float, default=0.0)
     parser.add_argument(
         "--threads",

@@ -223,7 +223,9 @@ class LoggedProcess:
 
 @dataclass
 class LocalMesh:
-    """One ``shardserve up REPO --http-port P UP_ARGS`` against ``amqp_url``."""
+    """One ``shardserve up REPO --http-port P --grpc-port G UP_ARGS`` against ``amqp_url``
+    (``grpc_port`` 0, the default: no gRPC, so that meshes started side by side on one
+    machine never race for the gateway's default gRPC port)."""
 
     repo: Path
     amqp_url: str
@@ -231,10 +233,12 @@ class LocalMesh:
     log_path: Path
     up_args: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    grpc_port: int = 0
     process: LoggedProcess = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         argv = [SHARDSERVE, "up", str(self.repo), "--http-port", str(self.http_port)]
+        argv += ["--grpc-port", str(self.grpc_port)]
         self.process = LoggedProcess([*argv, *self.up_args], self.env, self.log_path)
 
     @property

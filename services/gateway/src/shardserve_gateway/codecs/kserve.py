@@ -105,14 +105,14 @@ def decode_request(body: bytes, header_length: str | None) -> KServeRequest:
     if doc is None:
         doc = parse_json_object(header)
     try:
-        return _decode_document(doc, binary)
+        return decode_document(doc, binary)
     except BadInputError:
         # Decide refusals exactly as the standard library reads the body (a value orjson
         # widened to a float must be reported as the integer the client sent).
-        return _decode_document(parse_json_object(header, exact=True), binary)
+        return decode_document(parse_json_object(header, exact=True), binary)
 
 
-def _decode_document(doc: dict[str, Any], binary: memoryview | None) -> KServeRequest:
+def decode_document(doc: dict[str, Any], binary: memoryview | None) -> KServeRequest:
     params = _parameters(doc.get("parameters"), "request")
     if "method" in params:
         raise BadInputError(

@@ -10,7 +10,7 @@ chunk before it commits to a 200.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -50,25 +50,43 @@ GENERATE_METHOD = "generate"  # the method label of generation requests in /metr
 
 def generation_servable(request: web.Request, model: str, version: int = 0) -> ServableStatus:
     """The ready generation servable version ``model`` names (404 / 503 otherwise)."""
-    refuse_while_draining(request.app)
-    servable = request.app[MESH_VIEW_KEY].find_servable(model, version)
+    return ready_generation_servable(
+        request.app, model, version, lambda labels: request.__setitem__(INFER_LABELS_KEY, labels)
+    )
+
+
+def ready_generation_servable(
+    app: web.Application,
+    model: str,
+    version: int,
+    labelled: Callable[[tuple[str, str]], None],
+) -> ServableStatus:
+    """What ``generation_servable`` finds, for any transport: ``labelled`` gets the
+    metrics labels once the servable is known (before it may turn out not ready)."""
+    refuse_while_draining(app)
+    servable = app[MESH_VIEW_KEY].find_servable(model, version)
     if not servable.generation:
         raise NotFoundError(f"model {model!r} is not a text-generation model")
-    request[INFER_LABELS_KEY] = (servable.name, GENERATE_METHOD)
+    labelled((servable.name, GENERATE_METHOD))
     require_ready(servable)
     return servable
 
 
 def request_deadline(request: web.Request) -> float:
     """Absolute deadline: X-Request-Timeout seconds, else the gateway's default."""
-    settings = request.app[SETTINGS_KEY]
-    timeout = choose_timeout(
-        request.headers.get(TIMEOUT_HEADER),
+    return deadline_after(request.app, request.headers.get(TIMEOUT_HEADER))
+
+
+def deadline_after(app: web.Application, timeout: str | None) -> float:
+    """Absolute deadline ``timeout`` seconds from now (None: the gateway's default)."""
+    settings = app[SETTINGS_KEY]
+    seconds = choose_timeout(
+        timeout,
         None,
         default_s=settings.default_timeout_s,
         max_s=settings.max_timeout_s,
     )
-    return time.time() + timeout
+    return time.time() + seconds
 
 
 def generate_request(

@@ -93,12 +93,18 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    reasons = request.app[MESH_VIEW_KEY].not_ready_reasons()
-    if not request.app[DISPATCHER_KEY].available:
-        reasons.insert(0, "message broker is unreachable")
+    reasons = not_ready_reasons(request.app)
     if reasons:
         return error_response(503, "not ready: " + "; ".join(reasons), code=ErrorCode.UNAVAILABLE)
     return json_response({"ready": True})
+
+
+def not_ready_reasons(app: web.Application) -> list[str]:
+    """Why the server is not ready (empty when it is)."""
+    reasons = app[MESH_VIEW_KEY].not_ready_reasons()
+    if not app[DISPATCHER_KEY].available:
+        reasons.insert(0, "message broker is unreachable")
+    return reasons
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -113,11 +119,6 @@ async def list_models(request: web.Request) -> web.Response:
     return json_response({"models": list(names)})
 
 
-def _target(request: web.Request) -> Target:
-    version = parse_version(request.match_info.get("version"))
-    return request.app[MESH_VIEW_KEY].resolve(request.match_info["model"], version)
-
-
 def parse_version(raw: str | None) -> int:
     """A URL version: absent -> 0 (highest ready), else a positive integer."""
     if raw is None:
@@ -129,19 +130,23 @@ def parse_version(raw: str | None) -> int:
 
 
 async def model_metadata(request: web.Request) -> web.Response:
-    target = _target(request)
-    view = request.app[MESH_VIEW_KEY]
+    model = request.match_info["model"]
+    return json_response(metadata(request.app, model, request.match_info.get("version")))
+
+
+def metadata(app: web.Application, model: str, version: str | None) -> dict[str, Any]:
+    """A model's metadata document (REST body; gRPC copies it into its message)."""
+    view = app[MESH_VIEW_KEY]
+    target = view.resolve(model, parse_version(version))
     versions = view.versions_of(target.servable.name)
     batch = target.servable.with_batch_dim
-    return json_response(
-        {
-            "name": request.match_info["model"],
-            "versions": [str(s.version) for s in versions],
-            "platform": PLATFORM,
-            "inputs": [_tensor_metadata(s, batch) for s in target.method.inputs],
-            "outputs": [_tensor_metadata(s, batch) for s in target.method.outputs],
-        }
-    )
+    return {
+        "name": model,
+        "versions": [str(s.version) for s in versions],
+        "platform": PLATFORM,
+        "inputs": [_tensor_metadata(s, batch) for s in target.method.inputs],
+        "outputs": [_tensor_metadata(s, batch) for s in target.method.outputs],
+    }
 
 
 def _tensor_metadata(spec: TensorSpec, batch_dim: bool) -> dict[str, Any]:
@@ -152,45 +157,68 @@ def _tensor_metadata(spec: TensorSpec, batch_dim: bool) -> dict[str, Any]:
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    """Any servable version, a generation one too (it has no method to resolve)."""
-    version = parse_version(request.match_info.get("version"))
-    servable_name, method_name = split_model_name(request.match_info["model"])
-    servable = request.app[MESH_VIEW_KEY].find_servable(servable_name, version)
+    model = request.match_info["model"]
+    require_model_ready(request.app, model, request.match_info.get("version"))
+    return json_response({"name": model, "ready": True})
+
+
+def require_model_ready(app: web.Application, model: str, version: str | None) -> None:
+    """Any servable version, a generation one too (it has no method to resolve): 404 for
+    an unknown model, 503 naming why a known one is not ready."""
+    servable_name, method_name = split_model_name(model)
+    servable = app[MESH_VIEW_KEY].find_servable(servable_name, parse_version(version))
     if method_name is not None:
         find_method(servable, method_name)
     require_ready(servable)
-    return json_response({"name": request.match_info["model"], "ready": True})
 
 
 async def infer(request: web.Request) -> web.Response:
     started = time.time()
     request[INFER_LABELS_KEY] = UNKNOWN_LABELS
     app = request.app
-    refuse_while_draining(app)
-    target = _target(request)
+    target = infer_target(app, request.match_info["model"], request.match_info.get("version"))
     request[INFER_LABELS_KEY] = (target.servable.name, target.method.name)
     require_ready(target.servable)
     body = await read_body(request, app[SETTINGS_KEY].max_body_bytes)
     parsed = await _decode(body, request.headers.get(HEADER_LENGTH))
+    outputs = await run_infer(app, parsed, target, request.headers.get(TIMEOUT_HEADER), started)
+    encoded = encode_response(
+        model_name=request.match_info["model"],
+        model_version=request.match_info.get("version"),
+        request_id=parsed.id,
+        outputs=outputs,
+    )
+    return web.Response(
+        body=encoded.body, content_type=encoded.content_type, headers=encoded.headers
+    )
+
+
+def infer_target(app: web.Application, model: str, version: str | None) -> Target:
+    """The servable version and method an inference request names (503 while draining,
+    404 for what the mesh does not know); every transport starts here."""
+    refuse_while_draining(app)
+    return app[MESH_VIEW_KEY].resolve(model, parse_version(version))
+
+
+async def run_infer(
+    app: web.Application,
+    parsed: KServeRequest,
+    target: Target,
+    timeout_header: str | None,
+    started: float,
+) -> list[tuple[str, Tensor, bool]]:
+    """Validate a decoded request against its target, send it to the mesh and return the
+    outputs to answer with: what REST and gRPC both do once the request is decoded."""
     _validate(parsed, target)
     settings = app[SETTINGS_KEY]
     timeout = choose_timeout(
-        request.headers.get(TIMEOUT_HEADER),
+        timeout_header,
         parsed.timeout_ms,
         default_s=settings.default_timeout_s,
         max_s=settings.max_timeout_s,
     )
     reply = await app[DISPATCHER_KEY].call(_infer_request(parsed, target, started + timeout))
-    outputs = _reply_outputs(reply)
-    encoded = encode_response(
-        model_name=request.match_info["model"],
-        model_version=request.match_info.get("version"),
-        request_id=parsed.id,
-        outputs=_select_outputs(outputs, parsed, target),
-    )
-    return web.Response(
-        body=encoded.body, content_type=encoded.content_type, headers=encoded.headers
-    )
+    return _select_outputs(_reply_outputs(reply), parsed, target)
 
 
 async def _decode(body: bytes, header_length: str | None) -> KServeRequest:

@@ -51,11 +51,14 @@ async def index(request: web.Request) -> web.Response:
     ready_only = body.get("ready", False)
     if not isinstance(ready_only, bool):
         raise BadInputError(f"'ready' must be true or false, got {ready_only!r}")
-    status = request.app[MESH_VIEW_KEY].require_fresh()
+    return json_response(index_entries(request.app, ready_only=ready_only))
+
+
+def index_entries(app: web.Application, *, ready_only: bool) -> list[dict[str, str]]:
+    """The repository index: every servable version (or only the ready ones)."""
+    status = app[MESH_VIEW_KEY].require_fresh()
     entries = sorted(status.servables, key=lambda s: (s.name, s.version))
-    return json_response(
-        [index_entry(s) for s in entries if s.ready or not ready_only],
-    )
+    return [index_entry(s) for s in entries if s.ready or not ready_only]
 
 
 def index_entry(servable: ServableStatus) -> dict[str, str]:
@@ -89,17 +92,25 @@ async def unload(request: web.Request) -> web.Response:
 
 async def _command(request: web.Request, action: Action) -> web.Response:
     model = request.match_info["model"]
+    await send_command(request.app, action, model, await _json_body(request))
+    return json_response({"name": model, action: True})
+
+
+async def send_command(
+    app: web.Application, action: Action, model: str, body: dict[str, Any]
+) -> None:
+    """Check and publish a load/unload command (REST body or gRPC parameters as
+    ``{"parameters": {...}}``)."""
     if METHOD_SEPARATOR in model:
         raise BadInputError(
             f"{action} takes a servable name, not a method: use "
             f"{model.partition(METHOD_SEPARATOR)[0]!r}"
         )
-    version = command_version(await _json_body(request))
+    version = command_version(body)
     if action == "unload":
-        _require_known(request, model, version)
+        _require_known(app, model, version)
     command = RepositoryCommand(action=action, servable=model, version=version)
-    await request.app[DISPATCHER_KEY].command(command)
-    return json_response({"name": model, action: True})
+    await app[DISPATCHER_KEY].command(command)
 
 
 def command_version(body: dict[str, Any]) -> int:
@@ -123,8 +134,8 @@ def command_version(body: dict[str, Any]) -> int:
     return version
 
 
-def _require_known(request: web.Request, model: str, version: int) -> None:
-    view = request.app[MESH_VIEW_KEY]
+def _require_known(app: web.Application, model: str, version: int) -> None:
+    view = app[MESH_VIEW_KEY]
     versions = view.versions_of(model)  # 404 for an unknown servable
     if version and version not in {s.version for s in versions}:
         known = [s.version for s in versions]

@@ -39,6 +39,7 @@ class ChaosMesh:
     ranks: int = 2
     base_amqp_url: str = field(default_factory=base_amqp_url)
     http_port: int = field(default_factory=free_port)
+    grpc_port: int = 0  # 0: the gateway serves no gRPC
     vhost: str | None = None
     own_vhost: bool = True  # False: the broker is private to this mesh (no vhost needed)
     # HF checkpoints served beside the matmul (name -> checkpoint folder), at TP 2
@@ -75,7 +76,9 @@ class ChaosMesh:
         repo = self.export()
         self._make_vhost()
         up_args = ("--grace-seconds", "15")
-        self.mesh = LocalMesh(repo, self.amqp_url, self.http_port, self.log_path, up_args)
+        self.mesh = LocalMesh(
+            repo, self.amqp_url, self.http_port, self.log_path, up_args, grpc_port=self.grpc_port
+        )
         self.mesh.start()
 
     def _running_mesh(self) -> LocalMesh:

@@ -32,6 +32,7 @@ class UpOptions:
     repository: Path | None = None
     host: str = "127.0.0.1"
     http_port: int = 8080
+    grpc_port: int | None = None  # None: the gateway's default (8001, or its env variable)
     wait_agents_seconds: float = 0.0
     threads: int | None = None  # onnxruntime threads per agent; None: see with_agent_threads
     no_cache: bool = False
@@ -184,8 +185,9 @@ def _gateway_specs(options: UpOptions) -> list[ChildSpec]:
     """One gateway, or several sharing the port: each an independent gateway (its own id,
     reply queue, in-flight limit and metrics); the kernel spreads connections over them."""
     shared = ("--reuse-port",) if options.gateways > 1 else ()
+    grpc = () if options.grpc_port is None else ("--grpc-port", str(options.grpc_port))
     argv = service_argv(
-        "gateway", "--host", options.host, "--http-port", str(options.http_port), *shared
+        "gateway", "--host", options.host, "--http-port", str(options.http_port), *grpc, *shared
     )
     return [
         ChildSpec("gateway" if options.gateways == 1 else f"gateway {index}", argv)
