@@ -35,9 +35,13 @@ def start_mesh(
     log: Path,
     up_args: tuple[str, ...] = (),
     env: Mapping[str, str] | None = None,
+    grpc_port: int = 0,
 ) -> LocalMesh:
-    """`shardserve up REPO` with the fast status, ready; stopped by the caller."""
-    mesh = LocalMesh(repo, amqp_url, free_port(), log, up_args, {**FAST_STATUS_ENV, **(env or {})})
+    """`shardserve up REPO` with the fast status (and gRPC on ``grpc_port`` unless 0),
+    ready; stopped by the caller."""
+    mesh = LocalMesh(
+        repo, amqp_url, free_port(), log, up_args, {**FAST_STATUS_ENV, **(env or {})}, grpc_port
+    )
     mesh.start()
     try:
         mesh.wait_ready()
