@@ -25,6 +25,7 @@ from aiohttp import web
 from shardserve.amqp.broker import Broker
 from shardserve_gateway.auth import make_auth_middleware
 from shardserve_gateway.dispatch import AmqpDispatcher, Dispatcher
+from shardserve_gateway.generation.streams import TokenPace
 from shardserve_gateway.mesh_view import MeshView, consume_status
 from shardserve_gateway.metrics import Metrics
 from shardserve_gateway.middleware import request_context, translate_errors
@@ -70,7 +71,10 @@ def create_app(
     app[TIMESERIES_KEY] = TimeSeries()
     if dispatcher is None:
         broker = Broker(settings.broker, name=settings.gateway_id)
-        amqp = AmqpDispatcher(broker, settings.gateway_id, max_inflight=settings.max_inflight)
+        pace = TokenPace(settings.first_token_timeout_s, settings.token_timeout_s)
+        amqp = AmqpDispatcher(
+            broker, settings.gateway_id, max_inflight=settings.max_inflight, pace=pace
+        )
         app[MESH_VIEW_KEY].add_scheduler_listener(amqp.scheduler_seen)
         amqp.streams.watch_status(app[MESH_VIEW_KEY].fresh)
         app[BROKER_KEY] = broker

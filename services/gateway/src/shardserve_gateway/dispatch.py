@@ -65,7 +65,7 @@ from shardserve.wire.protocol import (
     RepositoryCommand,
 )
 from shardserve_gateway.bundler import Outgoing, RequestBundler
-from shardserve_gateway.generation.streams import ChunkStream, StreamTable
+from shardserve_gateway.generation.streams import ChunkStream, StreamTable, TokenPace
 
 _logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class AmqpDispatcher:
         owner: str,
         wall_clock: Callable[[], float] = time.time,
         max_inflight: int = 256,
+        pace: TokenPace = TokenPace(),
     ) -> None:
         self._broker = broker
         self._max_inflight = max_inflight
@@ -129,7 +130,7 @@ class AmqpDispatcher:
         self.bundler = RequestBundler(self._publish_bundled)
         self._bundler_task: asyncio.Task[None] | None = None
         self.streams = StreamTable(
-            self, self._queue.name, max_open=max_inflight, wall_clock=wall_clock
+            self, self._queue.name, max_open=max_inflight, wall_clock=wall_clock, pace=pace
         )
 
     @property

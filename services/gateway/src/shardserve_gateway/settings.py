@@ -57,6 +57,20 @@ class GatewaySettings:
         parse=float,
         help="upper bound for any request's timeout (seconds)",
     )
+    first_token_timeout_s: float = option(
+        "--first-token-timeout",
+        120.0,
+        parse=float,
+        help="seconds a generation may wait for its first token (queueing and prefill) when "
+        "the request names no timeout of its own",
+    )
+    token_timeout_s: float = option(
+        "--token-timeout",
+        30.0,
+        parse=float,
+        help="seconds a generation may wait between two tokens; without X-Request-Timeout "
+        "these, not --default-timeout, bound a generation (up to --max-timeout in all)",
+    )
     max_body_bytes: int = option(
         "--max-body-mb",
         64.0,
@@ -116,6 +130,8 @@ class GatewaySettings:
         _require_positive(
             default_timeout=args.default_timeout,
             max_timeout=args.max_timeout,
+            first_token_timeout=args.first_token_timeout,
+            token_timeout=args.token_timeout,
             max_body_mb=args.max_body_mb,
             status_stale_seconds=args.status_stale_seconds,
         )

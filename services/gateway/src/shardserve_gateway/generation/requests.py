@@ -73,17 +73,19 @@ def ready_generation_servable(
 
 
 def request_deadline(request: web.Request) -> float:
-    """Absolute deadline: X-Request-Timeout seconds, else the gateway's default."""
+    """Absolute deadline of a generation: X-Request-Timeout seconds when given, else
+    --max-timeout. Not --default-timeout: a generation's length is the caller's choice, and
+    its pace is watched instead (the stream's TokenPace: first token, between tokens)."""
     return deadline_after(request.app, request.headers.get(TIMEOUT_HEADER))
 
 
 def deadline_after(app: web.Application, timeout: str | None) -> float:
-    """Absolute deadline ``timeout`` seconds from now (None: the gateway's default)."""
+    """Absolute deadline ``timeout`` seconds from now (None: --max-timeout, see above)."""
     settings = app[SETTINGS_KEY]
     seconds = choose_timeout(
         timeout,
         None,
-        default_s=settings.default_timeout_s,
+        default_s=settings.max_timeout_s,
         max_s=settings.max_timeout_s,
     )
     return time.time() + seconds

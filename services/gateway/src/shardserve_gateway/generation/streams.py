@@ -3,7 +3,11 @@
 A ``ChunkStream`` is what a handler iterates: the chunks of one request, checked for
 order (``seq`` from 0 with no gap and no duplicate), ending with exactly one outcome: the
 last chunk (``finish_reason`` or ``error``), or an error raised here. The stream itself
-ends with an error at the request's deadline and when its scheduler is gone.
+ends with an error at the request's deadline, when its scheduler is gone, and when its
+``TokenPace`` is broken: no first chunk within ``first_s`` of the request (queueing and
+prefill), or no chunk within ``between_s`` of the previous one. A generation's time thus
+scales with its length (the deadline only bounds it when the caller sets one), while a
+stuck sequence still ends.
 
 ``StreamTable`` keeps the open streams by AMQP correlation id and owns the publishing
 around them (``open``): the GenerateRequest with a fresh correlation id, and a
@@ -46,6 +50,14 @@ WATCH_INTERVAL_S = 0.25
 SCHEDULER_LOST = "the scheduler was lost; retry"
 
 
+@dataclass(frozen=True)
+class TokenPace:
+    """The longest waits for a stream's first chunk and between two chunks (seconds)."""
+
+    first_s: float = 120.0
+    between_s: float = 30.0
+
+
 class StreamPublisher(Protocol):
     """Where the table's messages go (the broker, or a test double)."""
 
@@ -71,10 +83,13 @@ class ChunkStream:
         *,
         wall_clock: Callable[[], float] = time.time,
         scheduler_alive: Callable[[], bool] = lambda: True,
+        pace: TokenPace = TokenPace(),
     ) -> None:
         self.deadline = deadline
         self._wall_clock = wall_clock
         self._scheduler_alive = scheduler_alive
+        self._pace = pace
+        self._last_chunk_at = wall_clock()  # the request's start, then each chunk's arrival
         self._queue: asyncio.Queue[GenerateChunk | InferenceError] = asyncio.Queue()
         self._next_seq = 0
         self.ended = False  # an outcome was decided (last chunk taken in, or an error)
@@ -94,6 +109,7 @@ class ChunkStream:
             )
             return
         self._next_seq += 1
+        self._last_chunk_at = self._wall_clock()
         self._queue.put_nowait(chunk)
         if chunk.last:
             self.ended = True
@@ -126,10 +142,26 @@ class ChunkStream:
 
     def _watch(self) -> None:
         """Between waits: end the stream at its deadline or when its scheduler is gone."""
-        if self._wall_clock() >= self.deadline:
+        now = self._wall_clock()
+        if now >= self.deadline:
             self.fail(DeadlineError("deadline exceeded while generating"))
         elif not self._scheduler_alive():
             self.fail(UnavailableError(SCHEDULER_LOST))
+        elif now - self._last_chunk_at >= self._pace_limit():
+            self.fail(DeadlineError(self._pace_message()))
+
+    def _pace_limit(self) -> float:
+        return self._pace.between_s if self._next_seq else self._pace.first_s
+
+    def _pace_message(self) -> str:
+        if self._next_seq:
+            return (
+                f"no token for {self._pace.between_s:g} s after chunk {self._next_seq - 1} "
+                "(the gateway's --token-timeout)"
+            )
+        return (
+            f"no first token within {self._pace.first_s:g} s (the gateway's --first-token-timeout)"
+        )
 
 
 @dataclass
@@ -148,8 +180,10 @@ class StreamTable:
         *,
         max_open: int = 256,
         wall_clock: Callable[[], float] = time.time,
+        pace: TokenPace = TokenPace(),
     ) -> None:
         self._publisher = publisher
+        self._pace = pace
         self._reply_to = reply_to
         self._max_open = max_open
         self._wall_clock = wall_clock
@@ -179,7 +213,10 @@ class StreamTable:
             )
         correlation_id = uuid.uuid4().hex
         stream = ChunkStream(
-            request.deadline, wall_clock=self._wall_clock, scheduler_alive=self._status_fresh
+            request.deadline,
+            wall_clock=self._wall_clock,
+            scheduler_alive=self._status_fresh,
+            pace=self._pace,
         )
         self._open[correlation_id] = _Open(stream, self._scheduler)
         try:
