@@ -9,11 +9,14 @@ with an index), ``qwen2`` (q/k/v biases, tied, one KV head: replicated over rank
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
+
+TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama" / "tokenizer.json"
 
 Weights = dict[str, np.ndarray]
 
@@ -111,14 +114,15 @@ def random_weights(kind: str, seed: int = 0) -> Weights:
 def write_checkpoint(
     folder: Path, kind: str, weights: Weights, shards: int = 1, dtype: Any = np.float32
 ) -> Path:
-    """config.json, generation_config.json, a tokenizer.json stand-in, and the tensors."""
+    """config.json, generation_config.json, the llama fixture's tokenizer.json, and the
+    tensors."""
     folder.mkdir(parents=True, exist_ok=True)
     config = CONFIGS[kind]
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(
         json.dumps({"eos_token_id": config["eos_token_id"]})
     )
-    (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    shutil.copyfile(TOKENIZER, folder / "tokenizer.json")  # any usable one: export checks
     names = sorted(weights)
     if shards == 1:
         save_file({n: weights[n].astype(dtype) for n in names}, str(folder / "model.safetensors"))

@@ -8,15 +8,18 @@ sys.path by them: pytest runs with --import-mode=importlib).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from shardserve.ops.child_mesh import LocalMesh, free_port
+from shardserve.tools.export.hf import export_hf
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "llama"
 REFERENCE: dict[str, Any] = json.loads((FIXTURE / "reference.json").read_text())
@@ -49,6 +52,20 @@ def start_mesh(
         mesh.stop()
         raise
     return mesh
+
+
+@contextlib.contextmanager
+def layouts_mesh(amqp_url: str, tmp: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+    """The llama fixture exported at TP 2 (``llama_tp2``) and at 2 stages x TP 2
+    (``llama_pp2``), served by one `shardserve up`."""
+    repo = tmp.mktemp("repo")
+    export_hf(FIXTURE, repo, rank_size=2, name="llama_tp2")
+    export_hf(FIXTURE, repo, rank_size=4, stage_size=2, name="llama_pp2")
+    mesh = start_mesh(repo, amqp_url, tmp.mktemp("mesh") / "mesh.log")
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
 
 
 async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | str]:

@@ -21,18 +21,16 @@ import pytest
 from shardserve.client import AsyncClient, Client
 from shardserve.errors import ErrorCode
 from shardserve.ops.child_mesh import LocalMesh
-from shardserve.tools.export.hf import export_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import (
-    FIXTURE,
     REFERENCE,
     idle,
     kv_used,
+    layouts_mesh,
     read_sse,
     servable_status,
     sse_events,
-    start_mesh,
     wait_for,
 )
 
@@ -47,15 +45,8 @@ LONG_TOKENS = 100  # the fixture's context is 128 tokens
 
 @pytest.fixture(scope="module")
 def mesh(isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    repo = tmp_path_factory.mktemp("repo")
-    export_hf(FIXTURE, repo, rank_size=2, name="llama_tp2")
-    export_hf(FIXTURE, repo, rank_size=4, stage_size=2, name="llama_pp2")
-    log = tmp_path_factory.mktemp("mesh") / "mesh.log"
-    mesh = start_mesh(repo, isolated_amqp_url, log)
-    try:
+    with layouts_mesh(isolated_amqp_url, tmp_path_factory) as mesh:
         yield mesh
-    finally:
-        mesh.stop()
 
 
 def openai_sync(mesh: LocalMesh) -> openai.OpenAI:

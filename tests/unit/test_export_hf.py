@@ -14,6 +14,7 @@ from hf_runner import PackedModel
 
 from shardserve.errors import ExportError
 from shardserve.repo.repository import AttentionOp, load_group
+from shardserve.text.tokenizer import TextModel
 from shardserve.tools.export.hf import export_hf
 
 PROMPTS = {"a": [5, 17, 33, 2, 9, 41, 7], "b": [11, 3, 60]}
@@ -224,3 +225,22 @@ def test_logits_and_greedy_tokens_equal_transformers(
         np.testing.assert_allclose(logits[0], arrays[f"prompt{index}.prefill_logits"], atol=1e-4)
         decode = np.concatenate([logits[0][-1:], *logits[1:-1]])
         np.testing.assert_allclose(decode, arrays[f"prompt{index}.decode_logits"], atol=1e-4)
+
+
+def test_a_checkpoint_without_a_usable_tokenizer_is_refused(tmp_path: Path) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "llama", random_weights("llama"))
+    (folder / "tokenizer.json").unlink()
+    refused(folder, tmp_path / "repo", r"has no usable tokenizer \(bad: no tokenizer.json in ")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    refused(
+        folder, tmp_path / "repo", r"has no usable tokenizer .* does not load: .*save_pretrained"
+    )
+
+
+def test_chat_template_jinja_is_exported_and_used(tmp_path: Path) -> None:
+    folder = write_checkpoint(tmp_path / "ck", "llama", random_weights("llama"))
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    (folder / "chat_template.jinja").write_text(template)
+    export_hf(folder, tmp_path / "repo", name="chatty")
+    text = TextModel.load(tmp_path / "repo/chatty/1/tokenizer", "chatty")
+    assert text.render_chat([{"role": "user", "content": "Hi"}]) == "<user>Hi<assistant>"

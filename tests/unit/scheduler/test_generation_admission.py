@@ -8,14 +8,26 @@ from shardserve.errors import ErrorCode
 from shardserve_scheduler.core.generation.state import Limits
 
 
-def test_fits_reserves_prompt_plus_max_tokens_capped_by_the_context() -> None:
+def test_max_tokens_left_out_reserves_and_generates_up_to_the_context() -> None:
     bench = Bench()
-    bench.generate("a", request("a", prompt_ids=tuple(range(100)), max_tokens=50))
-    assert bench.steps[0].reserve[0].capacity == 128  # 150 capped by the context
+    bench.generate("a", request("a", prompt_ids=tuple(range(100))))
+    assert bench.steps[0].reserve[0].capacity == 128
     bench.run_until_idle()
     last = bench.last("a")
     assert last.finish_reason == "length"
     assert last.usage is not None and last.usage.completion_tokens == 28  # context full
+
+
+def test_400_when_max_tokens_goes_beyond_the_context() -> None:
+    bench = Bench()
+    bench.generate("a", request("a", prompt_ids=tuple(range(100)), max_tokens=29))
+    (only,) = bench.chunks["a"]
+    assert only.error is not None and only.error.code == ErrorCode.BAD_INPUT
+    assert only.error.message.startswith("max_tokens is 29")
+    assert "context is 128 tokens and the prompt has 100: at most 28" in only.error.message
+    assert not bench.steps
+    bench.generate("b", request("b", prompt_ids=tuple(range(100)), max_tokens=28))
+    assert bench.steps[0].reserve[0].capacity == 128
 
 
 def test_waits_while_the_kv_cache_is_full_then_starts_when_room_frees() -> None:

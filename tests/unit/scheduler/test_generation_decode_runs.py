@@ -83,7 +83,7 @@ def test_k_is_capped_by_the_shortest_member() -> None:
 def test_k_is_capped_by_the_context_and_the_kv_reservation() -> None:
     bench = Bench(limits=Limits(max_decode_steps=8, decode_run_ms=1000.0))
     # 120 prompt tokens, context 128: reserved 128 positions, 8 tokens may come
-    bench.generate("a", request("a", prompt_ids=tuple(range(120)), max_tokens=50))
+    bench.generate("a", request("a", prompt_ids=tuple(range(120))))
     ks = run_timed(bench)
     assert ks == [1, 1, 6]
     last_run = bench.steps[-1]

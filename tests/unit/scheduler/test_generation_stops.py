@@ -73,7 +73,7 @@ def test_multibyte_characters_split_over_tokens_join_to_the_decode() -> None:
 
 def test_context_full_ends_with_length() -> None:
     bench = Bench()
-    bench.generate("a", request("a", prompt_ids=tuple(range(126)), max_tokens=10))
+    bench.generate("a", request("a", prompt_ids=tuple(range(126))))  # max_tokens: the context
     bench.run_until_idle()
     last = bench.last("a")
     assert last.finish_reason == "length" and last.usage is not None

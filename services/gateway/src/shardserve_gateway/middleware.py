@@ -13,8 +13,9 @@ from aiohttp.typedefs import Handler
 
 from shardserve.errors import ErrorCode, InferenceError
 from shardserve.process.lifecycle import request_id_var
+from shardserve_gateway.codecs.openai_responses import error as openai_error
 from shardserve_gateway.errors import ClientGoneError, HttpError
-from shardserve_gateway.responses import error_response
+from shardserve_gateway.responses import error_response, json_response
 from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY, TIMESERIES_KEY
 
 _logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ _logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID = 128
 MINDSPORE_PREFIX = "/model/"
+OPENAI_PREFIX = "/v1"
 
 
 def valid_request_id(value: str) -> bool:
@@ -73,7 +75,7 @@ def _record(request: web.Request, status: int, elapsed_s: float) -> None:
 @web.middleware
 async def translate_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error leaves as ``{"error": ..., "code": ...}`` (``{"error_msg": ...}`` on
-    MindSpore routes)."""
+    MindSpore routes, OpenAI's ``{"error": {"message", "type", "param", "code"}}`` on /v1)."""
     try:
         return await handler(request)
     except InferenceError as exc:
@@ -105,6 +107,9 @@ def _error(
     *,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
+    if request.path == OPENAI_PREFIX or request.path.startswith(OPENAI_PREFIX + "/"):
+        # The openai package reads OpenAI's shape on every /v1 route, unknown ones too.
+        return json_response(openai_error(message, status, code), status, headers)
     mindspore = request.path.startswith(MINDSPORE_PREFIX)
     return error_response(status, message, code=code, mindspore=mindspore, headers=headers)
 

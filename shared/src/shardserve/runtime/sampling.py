@@ -13,6 +13,12 @@ rows of the batch, so a sequence samples the same tokens alone or among 63 other
   ``u = np.random.default_rng([seed, index]).random()`` picks from the kept ids by inverse CDF
   of their weights in id order (id order, so that with no cut nothing needs sorting).
 
+Before the choice (greedy or drawn), a row that asks has its logits adjusted, in float64, in
+vLLM's order: ``repetition_penalty`` p divides the positive logits and multiplies the negative
+ones of every distinct id of ``prompt_ids`` and ``output_ids``; ``frequency_penalty`` times an
+id's count in ``output_ids`` plus ``presence_penalty`` (once) is subtracted; ``logit_bias`` is
+added; while ``index < min_tokens`` the ``masked_until_min`` ids (EOS, stop ids) are -inf.
+
 Logprobs (``logprobs`` N not None): log_softmax of the RAW logits (before temperature, as
 OpenAI reports them), the chosen token's and the top N (by logprob descending, then id
 ascending). Their ``text`` fields are "": the agent has no tokenizer; the scheduler fills
@@ -36,7 +42,7 @@ import numpy.typing as npt
 from shardserve.errors import InternalError
 from shardserve.wire.protocol import RowSampling, TokenLogprob, TopLogprob
 
-__all__ = ["sample_row", "sample_rows", "top_ids"]
+__all__ = ["adjusted_logits", "sample_row", "sample_rows", "top_ids"]
 
 FloatRow = npt.NDArray[np.float64]
 IdArray = npt.NDArray[np.int64]
@@ -61,6 +67,8 @@ def sample_rows(
     for i, row in enumerate(rows):
         if row.temperature > 0:
             tokens[i] = sample_row(logits[i], row)
+        elif row.adjusts_logits:
+            tokens[i] = int(np.argmax(adjusted_logits(logits[i], row)))
     logprobs = [
         None if row.logprobs is None else _logprobs(logits[i], tokens[i], row.logprobs)
         for i, row in enumerate(rows)
@@ -88,7 +96,7 @@ def sample_row(logits: npt.NDArray[np.float32], row: RowSampling) -> int:
     """One row's token with temperature > 0 (see the module docstring for the rule)."""
     # Shifted before the division: every value is <= 0, so dividing by any temperature
     # (even a subnormal one) gives 0 or a negative number, never inf - inf = NaN.
-    shifted = logits.astype(np.float64)
+    shifted = adjusted_logits(logits, row)
     shifted -= shifted.max()
     with np.errstate(over="ignore"):  # -x / subnormal overflows to -inf: weight 0, meant
         weights = np.exp(shifted / row.temperature)
@@ -97,6 +105,25 @@ def sample_row(logits: npt.NDArray[np.float32], row: RowSampling) -> int:
     draw = np.random.default_rng([row.seed, row.index]).random() * mass[-1]
     chosen = min(int(np.searchsorted(mass, draw, side="right")), len(mass) - 1)
     return chosen if kept is None else int(kept[chosen])
+
+
+def adjusted_logits(logits: npt.NDArray[np.float32], row: RowSampling) -> FloatRow:
+    """The row's logits in float64 after its penalties, bias and min_tokens mask."""
+    adjusted = logits.astype(np.float64)
+    if row.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray((*row.prompt_ids, *row.output_ids), dtype=np.int64))
+        values = adjusted[seen]
+        adjusted[seen] = np.where(
+            values > 0, values / row.repetition_penalty, values * row.repetition_penalty
+        )
+    if row.output_ids and (row.presence_penalty or row.frequency_penalty):
+        ids, counts = np.unique(np.asarray(row.output_ids, dtype=np.int64), return_counts=True)
+        adjusted[ids] -= row.frequency_penalty * counts + row.presence_penalty
+    for entry in row.logit_bias:
+        adjusted[entry.token_id] += entry.bias
+    if row.index < row.min_tokens and row.masked_until_min:
+        adjusted[np.asarray(row.masked_until_min, dtype=np.int64)] = -np.inf
+    return adjusted
 
 
 def _kept_ids(weights: FloatRow, top_k: int, top_p: float) -> IdArray | None:

@@ -10,7 +10,8 @@ The folder is what ``shardserve export hf`` copies from a Hugging Face checkpoin
   tokenizer_config.json, which is a string or a list of ``{"name", "template"}`` (the one named
   "default" is used);
 * EOS ids: ``eos_token_id`` of generation_config.json (an int or a list), else the id of the
-  config's ``eos_token``.
+  config's ``eos_token``;
+* sampling defaults: generation_config.json's (``shardserve.text.generation_defaults``).
 
 Usage::
 
@@ -18,6 +19,7 @@ Usage::
     folder.special_tokens        # {"bos_token": "<s>", "eos_token": "</s>", ...}
     folder.chat_template         # str | None
     folder.eos_token_ids(lookup) # lookup: token text -> id | None
+    folder.sampling_defaults     # SamplingDefaults
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.errors import RepositoryError
+from shardserve.text.generation_defaults import SamplingDefaults
 
 __all__ = [
     "CHAT_TEMPLATE_FILE",
@@ -66,17 +69,20 @@ class TokenizerFolder:
     special_tokens: dict[str, str | list[str]]
     chat_template: str | None
     generation_eos: tuple[int, ...]
+    sampling_defaults: SamplingDefaults
 
     @classmethod
     def read(cls, path: Path) -> TokenizerFolder:
         """Read the folder's JSON side files; missing files count as empty."""
         config = _read_json(path / TOKENIZER_CONFIG_FILE)
         token_map = _read_json(path / SPECIAL_TOKENS_MAP_FILE)
+        generation = _read_json(path / GENERATION_CONFIG_FILE)
         return cls(
             path=path,
             special_tokens=_special_tokens(config, token_map),
             chat_template=_chat_template(path, config),
-            generation_eos=_generation_eos(_read_json(path / GENERATION_CONFIG_FILE)),
+            generation_eos=_generation_eos(generation),
+            sampling_defaults=SamplingDefaults.from_config(generation),
         )
 
     def eos_token_ids(self, token_id: Callable[[str], int | None]) -> tuple[int, ...]:

@@ -63,6 +63,7 @@ class TextModel:
         self.servable = servable
         self.special_tokens = folder.special_tokens
         self.eos_token_ids: tuple[int, ...] = folder.eos_token_ids(tokenizer.token_to_id)
+        self.sampling_defaults = folder.sampling_defaults
         tokenizer_vocab = tokenizer.get_vocab_size(with_added_tokens=True)
         self.vocab_size: int = tokenizer_vocab if model_vocab is None else model_vocab
         self._chat_source = folder.chat_template

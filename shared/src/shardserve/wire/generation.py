@@ -22,6 +22,19 @@ from shardserve.wire.message import ErrorInfo, TensorMap, _Message
 # ---------------------------------------------------------------- generation (public)
 
 
+MAX_LOGIT_BIAS = 300  # entries of a logit_bias map
+
+
+class LogitBias(BaseModel):
+    """One entry of a ``logit_bias`` map: added to the token's logit before sampling
+    (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    token_id: int = Field(ge=0)
+    bias: float = Field(ge=-100.0, le=100.0)
+
+
 class SamplingParams(BaseModel):
     """How one sequence chooses its tokens and when it stops.
 
@@ -31,17 +44,31 @@ class SamplingParams(BaseModel):
     before the match (the match is not returned); ``stop_token_ids`` and the model's EOS ids
     (unless ``ignore_eos``) end it after the token, which is not part of the text either.
     ``logprobs`` N > 0 returns the chosen token's log-probability and the N most likely.
+
+    A field left None takes the model's default: generation_config.json's ``temperature``,
+    ``top_p``, ``top_k`` and ``repetition_penalty`` (``do_sample: false`` means greedy), else
+    temperature 1, no cut and no penalty; ``max_tokens`` None generates up to the context.
+    Penalties follow vLLM: ``repetition_penalty`` divides the positive logits (multiplies the
+    negative) of every token of the prompt and the output; ``presence_penalty`` and
+    ``frequency_penalty`` subtract from the logits of tokens in the output (once, and once per
+    occurrence). ``logit_bias`` adds to the named ids' logits; ``min_tokens`` masks the EOS
+    and ``stop_token_ids`` until that many tokens are generated.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    max_tokens: int = Field(default=16, ge=1, le=1_000_000)
+    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
     # (below bounds.MIN_TEMPERATURE: greedy)
-    temperature: Annotated[float, AfterValidator(greedy_below_minimum)] = Field(
-        default=1.0, ge=0.0, le=100.0, allow_inf_nan=False
+    temperature: Annotated[float, AfterValidator(greedy_below_minimum)] | None = Field(
+        default=None, ge=0.0, le=100.0, allow_inf_nan=False
     )
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: Count = 0  # 0: no top-k cut
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: Count | None = None  # 0: no top-k cut
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, allow_inf_nan=False)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: tuple[LogitBias, ...] = Field(default=(), max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(default=0, ge=0, le=1_000_000)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: tuple[Annotated[Text, Field(min_length=1, max_length=256)], ...] = Field(
         default=(), max_length=16
@@ -203,6 +230,38 @@ class RowSampling(BaseModel):
     top_k: int = 0
     seed: int = 0
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[LogitBias, ...] = ()
+    # Ids masked (EOS and stop ids) while ``index`` < ``min_tokens``.
+    min_tokens: int = 0
+    masked_until_min: tuple[int, ...] = ()
+    # The history the penalties read, sent only when a penalty is set: the prompt's distinct
+    # ids (repetition_penalty) and the generated ids so far.
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties read the history (prompt and output ids)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (penalties, bias, min_tokens mask)."""
+        return self.penalized or bool(self.logit_bias) or self.index < self.min_tokens
+
+    def after(self, token: int) -> RowSampling:
+        """This row one token further on (a decode run's next iteration)."""
+        update: dict[str, object] = {"index": self.index + 1}
+        if self.penalized:
+            update["output_ids"] = (*self.output_ids, token)
+        return self.model_copy(update=update)
 
 
 class StepWork(_Message):

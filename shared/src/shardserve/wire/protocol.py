@@ -58,10 +58,12 @@ from shardserve.wire.control import (
     TensorSpec,
 )
 from shardserve.wire.generation import (
+    MAX_LOGIT_BIAS,
     ChatMessage,
     GenerateCancel,
     GenerateChunk,
     GenerateRequest,
+    LogitBias,
     RowSampling,
     SamplingParams,
     SequenceReservation,
@@ -110,6 +112,8 @@ __all__ = [
     "InferRequestBundle",
     "InstanceResult",
     "JobCancel",
+    "LogitBias",
+    "MAX_LOGIT_BIAS",
     "MESSAGE_ADAPTER",
     "MESSAGE_TYPES",
     "MeshStatus",

@@ -81,7 +81,7 @@ class Iteration:
         inputs["input_ids"] = np.asarray(tokens, np.int64)
         inputs["positions"] = self.inputs["positions"] + 1
         layout = StepLayout([(s.seq_id, s.start + 1, s.count) for s in self.layout.spans])
-        sampling = tuple(row.model_copy(update={"index": row.index + 1}) for row in self.sampling)
+        sampling = tuple(row.after(token) for row, token in zip(self.sampling, tokens, strict=True))
         return Iteration(self.index + 1, inputs, layout, sampling)
 
 

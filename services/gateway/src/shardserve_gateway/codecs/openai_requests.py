@@ -1,11 +1,15 @@
 """OpenAI request bodies (/v1/completions, /v1/chat/completions) -> SamplingParams and a
 prompt, validated with pydantic.
 
-Unknown fields are ignored, as OpenAI and vLLM do (clients send ``user``,
-``frequency_penalty``... by default); the fields we cannot honour are refused with a 400
-naming them: ``n`` other than 1, ``echo`` true, more than one prompt. vLLM's extensions
-``top_k``, ``stop_token_ids`` and ``ignore_eos`` are accepted. A validation error names
-the field (``param`` in OpenAI's error shape).
+Unknown fields are ignored, as OpenAI and vLLM do (clients send ``user``... by default);
+the fields we cannot honour are refused with a 400 naming them: ``n`` other than 1, ``echo``
+true, more than one prompt, ``best_of`` > 1, a ``suffix``, ``tools``, a ``response_format``
+other than text. ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (OpenAI's)
+and vLLM's extensions ``top_k``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``
+and ``ignore_eos`` are honoured. A field left out takes the model's default (its
+generation_config.json); ``max_tokens`` left out is 16 on /v1/completions (OpenAI's and
+vLLM's default) and up to the context on /v1/chat/completions. A validation error names the
+field (``param`` in OpenAI's error shape).
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from shardserve.errors import BadInputError
-from shardserve.wire.protocol import ChatMessage, SamplingParams
+from shardserve.wire.protocol import MAX_LOGIT_BIAS, ChatMessage, LogitBias, SamplingParams
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; chat uses it too (see report)
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 MAX_LOGPROBS = 5
 
 
@@ -51,6 +55,13 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # vLLM
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM
+    tools: Any = None
+    response_format: Any = None
 
     @field_validator("n")
     @classmethod
@@ -59,13 +70,31 @@ class _Common(BaseModel):
             raise ValueError("only n=1 is supported (one choice per request)")
         return n
 
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: Any) -> Any:
+        if tools:
+            raise ValueError("tools are not supported (no tool calls are generated)")
+        return tools
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, value: Any) -> Any:
+        kind = value.get("type") if isinstance(value, dict) else value
+        if value is not None and kind != "text":
+            raise ValueError(
+                f"response_format {kind!r} is not supported (no schema-guided decoding); "
+                "only {'type': 'text'}"
+            )
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         values: dict[str, Any] = {
-            "max_tokens": DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": max(self.top_k, 0) if self.top_k is not None else None,
@@ -74,8 +103,30 @@ class _Common(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": _logit_bias(self.logit_bias),
+            "min_tokens": self.min_tokens,
         }
         return parse(SamplingParams, {k: v for k, v in values.items() if v is not None})
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[LogitBias, ...] | None:
+    """OpenAI's map of token id (a JSON key: a string) to bias, checked entry by entry."""
+    if bias is None:
+        return None
+    entries = []
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ParamError(f"logit_bias: {key!r} is not a token id", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise ParamError(
+                f"logit_bias: the bias of token {key} is {value}, outside [-100, 100]",
+                "logit_bias",
+            )
+        entries.append(LogitBias(token_id=int(key), bias=value))
+    return tuple(sorted(entries, key=lambda entry: entry.token_id))
 
 
 class CompletionBody(_Common):
@@ -83,9 +134,11 @@ class CompletionBody(_Common):
 
     # Checked by prompt_kind: a pydantic union would name its members in the error.
     prompt: Any
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=COMPLETIONS_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("echo")
     @classmethod
@@ -93,6 +146,20 @@ class CompletionBody(_Common):
         if echo:
             raise ValueError("echo is not supported (the prompt is not returned)")
         return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, best_of: int | None) -> int | None:
+        if best_of is not None and best_of != 1:
+            raise ValueError("best_of > 1 is not supported (one candidate per request)")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported (no insertion: text is only appended)")
+        return suffix
 
     def prompt_kind(self) -> tuple[str | None, tuple[int, ...] | None]:
         """(prompt text, None) or (None, prompt token ids)."""

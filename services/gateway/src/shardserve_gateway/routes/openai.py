@@ -1,5 +1,5 @@
 """OpenAI-compatible routes: ``POST /v1/completions``, ``POST /v1/chat/completions``,
-``GET /v1/models`` (the generation servables).
+``GET /v1/models`` (the generation servables) and ``GET /v1/models/{model}``.
 
 Bodies and answers follow OpenAI's shapes (``codecs/openai_requests.py`` and
 ``codecs/openai_responses.py``), so the ``openai`` package works unchanged. Errors are
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from shardserve.errors import ErrorCode, InferenceError
+from shardserve.errors import ErrorCode, InferenceError, NotFoundError
 from shardserve.wire.protocol import GenerateChunk, Usage
 from shardserve_gateway.answer import Json, answer, json_body
 from shardserve_gateway.codecs import openai_responses as shapes
@@ -45,6 +45,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", openai_errors(completions))
     app.router.add_post("/v1/chat/completions", openai_errors(chat_completions))
     app.router.add_get("/v1/models", openai_errors(list_models))
+    app.router.add_get("/v1/models/{model}", openai_errors(retrieve_model))
 
 
 def openai_errors(handler: Handler) -> Handler:
@@ -109,10 +110,28 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    status = request.app[MESH_VIEW_KEY].require_fresh()
-    names = dict.fromkeys(s.name for s in status.servables if s.generation)
-    data = [{"id": n, "object": "model", "created": 0, "owned_by": OWNER} for n in names]
+    data = [_model(name) for name in _model_names(request)]
     return json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """One model (the openai package's ``models.retrieve``); 404 when no generation servable
+    has that name."""
+    name = request.match_info["model"]
+    names = _model_names(request)
+    if name not in names:
+        known = ", ".join(names) or "none"
+        raise NotFoundError(f"model {name!r} not found; models: {known}")
+    return json_response(_model(name))
+
+
+def _model_names(request: web.Request) -> list[str]:
+    status = request.app[MESH_VIEW_KEY].require_fresh()
+    return list(dict.fromkeys(s.name for s in status.servables if s.generation))
+
+
+def _model(name: str) -> Json:
+    return {"id": name, "object": "model", "created": 0, "owned_by": OWNER}
 
 
 @dataclass

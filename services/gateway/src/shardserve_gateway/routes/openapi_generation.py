@@ -22,7 +22,12 @@ from shardserve_gateway.routes.openapi_schema import (
 
 NULLABLE_STRING: Schema = {"type": ["string", "null"]}
 EVENT_STREAM = "text/event-stream"
-TIMEOUT_NOTE = "Header X-Request-Timeout (seconds) bounds the whole generation."
+TIMEOUT_NOTE = (
+    "Header X-Request-Timeout (seconds) bounds the whole generation; without it, the "
+    "gateway's --first-token-timeout and --token-timeout bound its pace."
+)
+PENALTY = {"type": "number", "minimum": -2, "maximum": 2}
+UNSUPPORTED = "400 naming the parameter unless absent"
 
 
 def _sampling_fields() -> dict[str, Schema]:
@@ -37,6 +42,18 @@ def _sampling_fields() -> dict[str, Schema]:
         "stream_options": obj(include_usage=BOOLEAN),
         "stop_token_ids": array({"type": "integer", "minimum": 0}),
         "ignore_eos": BOOLEAN,
+        "presence_penalty": PENALTY,
+        "frequency_penalty": PENALTY,
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+        "logit_bias": {
+            "type": "object",
+            "maxProperties": 300,
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "description": "token id (as a string) -> bias; ids outside the vocabulary: 400",
+        },
+        "min_tokens": {"type": "integer", "minimum": 0, "description": "vLLM extension"},
+        "tools": {"type": "array", "maxItems": 0, "description": UNSUPPORTED},
+        "response_format": obj(("type",), type={"type": "string", "enum": ["text"]}),
     }
 
 
@@ -55,6 +72,8 @@ def _openai_requests() -> dict[str, Schema]:
             max_tokens={"type": "integer", "minimum": 1, "default": 16},
             logprobs={"type": "integer", "minimum": 0, "maximum": 5},
             echo={"type": "boolean", "enum": [False]},
+            best_of={"type": "integer", "enum": [1]},
+            suffix={"type": "string", "maxLength": 0, "description": UNSUPPORTED},
             **_sampling_fields(),
         ),
         "chat_request": obj(
@@ -65,7 +84,7 @@ def _openai_requests() -> dict[str, Schema]:
                 "minItems": 1,
                 "items": obj(("role", "content"), role=STRING, content=content),
             },
-            max_tokens={"type": "integer", "minimum": 1, "default": 16},
+            max_tokens={"type": "integer", "minimum": 1, "description": "default: the context"},
             max_completion_tokens={"type": "integer", "minimum": 1},
             logprobs=BOOLEAN,
             top_logprobs={"type": "integer", "minimum": 0, "maximum": 5},
@@ -112,35 +131,39 @@ def _openai_responses() -> dict[str, Schema]:
                 code=NULLABLE_STRING,
             ),
         ),
-        "openai_models": obj(
-            ("object", "data"),
-            object=STRING,
-            data=array(
-                obj(("id", "object"), id=STRING, object=STRING, created=INTEGER, owned_by=STRING)
-            ),
+        "openai_model": obj(
+            ("id", "object"), id=STRING, object=STRING, created=INTEGER, owned_by=STRING
         ),
+        "openai_models": obj(("object", "data"), object=STRING, data=array(ref("openai_model"))),
     }
 
 
 def _triton_schemas() -> dict[str, Schema]:
-    parameters = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-            "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-            "top_k": {"type": "integer", "minimum": 0},
-            "seed": {"type": "integer", "minimum": 0},
-            "stop": {"anyOf": [STRING, array(STRING)]},
-            "stop_token_ids": array({"type": "integer", "minimum": 0}),
-            "ignore_eos": BOOLEAN,
-            "stream": BOOLEAN,
-        },
+    properties: dict[str, Schema] = {
+        "max_tokens": {"type": "integer", "minimum": 1, "description": "default: the context"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 100},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "seed": {"type": "integer", "minimum": 0},
+        "stop": {"anyOf": [STRING, array(STRING)]},
+        "stop_token_ids": array({"type": "integer", "minimum": 0}),
+        "ignore_eos": BOOLEAN,
+        "presence_penalty": PENALTY,
+        "frequency_penalty": PENALTY,
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
+        "min_tokens": {"type": "integer", "minimum": 0},
+        "stream": BOOLEAN,
     }
+    parameters = {"type": "object", "additionalProperties": False, "properties": properties}
     return {
         "generate_request": {
-            **obj(("text_input",), text_input=STRING, parameters=parameters),
+            # The parameters may also sit beside text_input (TensorRT-LLM's and vLLM's way).
+            **obj(
+                ("text_input",),
+                text_input=STRING,
+                parameters=parameters,
+                **properties,
+            ),
             "additionalProperties": False,
         },
         "generate_response": obj(
@@ -210,6 +233,16 @@ def generation_paths(model: Schema, version: Schema) -> dict[str, Schema]:
                     **_errors("openai_error", "503"),
                 },
             }
+        },
+        "/v1/models/{model}": {
+            "parameters": [model],
+            "get": {
+                "summary": "One text-generation model (the openai package's models.retrieve)",
+                "responses": {
+                    "200": _body(ref("openai_model"), "the model"),
+                    **_errors("openai_error", "404", "503"),
+                },
+            },
         },
     }
     for base, params in (

@@ -58,7 +58,7 @@ def steps_in_time(iteration_ms: float | None, run_ms: float) -> int:
 
 def tokens_left(sequence: Sequence) -> int:
     """Tokens the sequence may still generate (max_tokens, then the model's context)."""
-    by_request = sequence.sampling.max_tokens - len(sequence.generated)
+    by_request = sequence.decoding.max_tokens - len(sequence.generated)
     return min(by_request, sequence.max_positions - sequence.length)
 
 

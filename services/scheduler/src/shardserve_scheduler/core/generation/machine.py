@@ -26,6 +26,7 @@ from shardserve_scheduler.core.generation.admission import (
     kv_limit,
     never_fits,
 )
+from shardserve_scheduler.core.generation.decoding import decoding
 from shardserve_scheduler.core.generation.flow import Flow, cancel_step, free_messages
 from shardserve_scheduler.core.generation.lanes import GenerationStats, VersionRun
 from shardserve_scheduler.core.generation.resolve import Target
@@ -66,7 +67,11 @@ class GenerationMachine:
             return [_duplicate_log(origin)]
         run = self._run(target)
         run.stats.requests_total += 1
-        sequence = self._sequence(origin, target, now)
+        try:
+            sequence = self._sequence(origin, target, now)
+        except InferenceError as error:
+            run.stats.errors_total += 1
+            return self.refuse(origin, error)
         problem = never_fits(
             len(sequence.prompt), sequence.capacity, target.max_positions, self._limit(run)
         )
@@ -216,6 +221,7 @@ class GenerationMachine:
         return kv_limit(group) if group is not None else None
 
     def _sequence(self, origin: Origin, target: Target, now: float) -> Sequence:
+        """The request's sequence; BadInputError when its sampling cannot run (decoding)."""
         sampling = origin.request.sampling
         if sampling.seed is None:  # drawn now, so the sequence is reproducible from its record
             sampling = sampling.model_copy(update={"seed": self._seeds()})
@@ -224,13 +230,15 @@ class GenerationMachine:
         if not sampling.ignore_eos:
             stop_ids |= frozenset(text.eos_token_ids)
         prompt = target.prompt
+        plan = decoding(sampling, text, prompt, target.max_positions)
         return Sequence(
             id=self.state.sequence_id(),
             origin=origin,
             key=(target.group.servable, target.group.version),
             prompt=prompt,
             sampling=sampling,
-            capacity=min(len(prompt) + sampling.max_tokens, target.max_positions),
+            decoding=plan,
+            capacity=min(len(prompt) + plan.max_tokens, target.max_positions),
             max_positions=target.max_positions,
             text=TextStream(text.detokenizer(), sampling.stop, stop_ids),
             accepted_at=now,

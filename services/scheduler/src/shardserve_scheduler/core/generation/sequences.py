@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardserve.wire.protocol import GenerateRequest, SamplingParams
+from shardserve_scheduler.core.generation.decoding import Decoding
 from shardserve_scheduler.core.generation.text_stream import TextStream
 
 SequenceStatus = Literal["waiting", "running", "done"]
@@ -38,6 +39,7 @@ class Sequence:
     key: VersionKey
     prompt: tuple[int, ...]
     sampling: SamplingParams  # with a seed (drawn at admission when the request had none)
+    decoding: Decoding  # the sampling with the model's defaults: max_tokens and the row
     capacity: int  # tokens reserved on every rank: prompt + max_tokens, capped by the context
     max_positions: int
     text: TextStream
@@ -68,7 +70,7 @@ class Sequence:
 
     def finish_reason_after_token(self) -> Literal["length"] | None:
         """ "length" once max_tokens are generated or the context is full."""
-        if len(self.generated) >= self.sampling.max_tokens or self.length >= self.max_positions:
+        if len(self.generated) >= self.decoding.max_tokens or self.length >= self.max_positions:
             return "length"
         return None
 

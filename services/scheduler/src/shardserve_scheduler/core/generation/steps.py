@@ -144,16 +144,13 @@ def pack_rows(sequences: list[Sequence], max_prefill_tokens: int) -> _Rows:
 
 
 def row_sampling(sequence: Sequence) -> RowSampling:
-    params = sequence.sampling
-    return RowSampling(
-        seq=sequence.id,
-        index=len(sequence.generated),
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        seed=params.seed or 0,
-        logprobs=params.logprobs,
-    )
+    """The sequence's next row: its first row (decoding) at its next token, with the history
+    the penalties read when it has any."""
+    first = sequence.decoding.row
+    update: dict[str, object] = {"seq": sequence.id, "index": len(sequence.generated)}
+    if first.penalized:
+        update["output_ids"] = tuple(sequence.generated)
+    return first.model_copy(update=update)
 
 
 def reservations(members: list[Sequence]) -> tuple[SequenceReservation, ...]:

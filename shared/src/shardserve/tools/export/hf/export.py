@@ -18,7 +18,7 @@ from pathlib import Path
 
 import onnx
 
-from shardserve.errors import ExportError
+from shardserve.errors import ExportError, RepositoryError
 from shardserve.repo.repository import (
     SERVABLE_CONFIG_FILE,
     GroupConfig,
@@ -28,6 +28,7 @@ from shardserve.repo.repository import (
     sha256_file,
     write_group,
 )
+from shardserve.text.tokenizer import TextModel
 from shardserve.tools.common import (
     ExportPlan,
     Progress,
@@ -62,6 +63,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 keeps the template here, beside tokenizer_config
 )
 STEP_INPUTS = ("positions", "logit_rows")  # every stage reads or forwards them
 
@@ -128,6 +130,7 @@ def export_decoder(
     plans = [plan_rank(config, rank_size, stage_size, r) for r in range(rank_size)]
     weights = weight_source(source.tensors, config)
     weights.check()
+    _check_tokenizer(checkpoint, servable, config.vocab)
     report_progress(progress, f"{config.architecture}: {describe(config)}")
     with _removed_on_failure(out / name):
         with staged_version(out / name, version, overwrite=overwrite, tag=source.model) as staging:
@@ -196,6 +199,19 @@ def _rank_line(rank: int, rank_size: int, staging: Path) -> str:
     folder = staging / f"rank_{rank}"
     size = sum(p.stat().st_size for p in folder.iterdir())
     return f"rank {rank}/{rank_size}: wrote {len(list(folder.iterdir()))} files ({size} bytes)"
+
+
+def _check_tokenizer(checkpoint: Path, servable: str, vocab: int) -> None:
+    """A text-generation servable is useless without its tokenizer: refuse it now, not with
+    a 503 on every request once it is served."""
+    try:
+        TextModel.load(checkpoint, servable, vocab)
+    except RepositoryError as error:
+        raise ExportError(
+            f"{checkpoint} has no usable tokenizer ({error}); shardserve needs tokenizer.json "
+            "(the fast-tokenizer file): save it with transformers' "
+            "AutoTokenizer.from_pretrained(checkpoint).save_pretrained(checkpoint)"
+        ) from error
 
 
 def _copy_tokenizer(checkpoint: Path, target: Path) -> dict[str, str]:
