@@ -7,6 +7,8 @@ import concurrent.futures
 import json
 import socket
 import struct
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -541,4 +543,28 @@ async def test_sync_close_cancels_running_calls_and_is_final(gateway: tuple[str,
         future.result()
     with pytest.raises(RuntimeError, match="closed"):
         client.infer({"x": 1})
-    assert not client._thread.is_alive() and client._loop.is_closed()
+    assert not client._life.thread.is_alive() and client._loop.is_closed()
+
+
+def test_a_sync_client_never_closed_closes_at_exit_without_warnings() -> None:
+    """The README's use without ``with``: a script that makes a call (which opens the
+    connection pool) and just ends. Its finalizer closes the pool before the interpreter
+    goes: no "Unclosed client session" on stderr, exit status 0."""
+    closed_port = socket.socket()
+    closed_port.bind(("127.0.0.1", 0))
+    port = closed_port.getsockname()[1]
+    closed_port.close()  # nothing listens: the call fails, but its session exists
+    script = (
+        "from shardserve.client import Client\n"
+        f"client = Client('127.0.0.1:{port}', 'm', timeout=5)\n"
+        "try:\n"
+        "    client.generate('hi', max_tokens=1)\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "TransportError"
+    assert done.stderr == ""

@@ -5,7 +5,9 @@ on that loop (so one connection pool serves every call, from any thread). ``infe
 blocks; ``infer_async`` returns an ``InferFuture`` at once: ``.result()`` blocks like
 MindSpore's ``ClientGrpcAsyncResult.result()``, and it can be awaited from asyncio code.
 ``close()`` (or leaving ``with``) cancels calls still running, closes the connections,
-stops the loop and joins the thread. ``generate`` returns the text, or with
+stops the loop and joins the thread; a client never closed is closed the same way when it
+is collected or the interpreter exits (``weakref.finalize``), so a script that just drops
+it sees no "Unclosed client session". ``generate`` returns the text, or with
 ``stream=True`` an iterator of text deltas (each pulled from the loop thread in turn).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import weakref
 from collections.abc import AsyncIterator, Coroutine, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar, Unpack, overload
@@ -77,13 +80,13 @@ class Client:
             tls=tls,
             max_connections=max_connections,
         )
-        self._lock = threading.Lock()
-        self._closed = False
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
+        thread = threading.Thread(
             target=self._loop.run_forever, name=f"shardserve-client-{servable_name}", daemon=True
         )
-        self._thread.start()
+        self._life = _Life(self._client, self._loop, thread)
+        thread.start()
+        self._close_once = weakref.finalize(self, self._life.close)
 
     @property
     def infer_url(self) -> str:
@@ -183,35 +186,20 @@ class Client:
                 yield delta
         finally:
             closing = getattr(deltas, "aclose", None)
-            if closing is not None and not self._closed:
+            if closing is not None and not self._life.closed:
                 self._submit(closing()).result()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        with self._lock:  # close() must not stop the loop between the check and the submit
-            if self._closed:
+        life = self._life
+        with life.lock:  # close() must not stop the loop between the check and the submit
+            if life.closed:
                 coro.close()
                 raise RuntimeError("the client is closed")
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def close(self) -> None:
         """Cancel running calls, close connections, stop the loop thread (idempotent)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    async def _shutdown(self) -> None:
-        # Every task on this private loop is a call this client started: it owns them.
-        current = asyncio.current_task()
-        calls = [t for t in asyncio.all_tasks() if t is not current]
-        for task in calls:
-            task.cancel()
-        await asyncio.gather(*calls, return_exceptions=True)
-        await self._client.close()
+        self._close_once()
 
     def __enter__(self) -> Client:
         return self
@@ -223,6 +211,39 @@ class Client:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _Life:
+    """What a Client owns, held apart from it so that its finalizer (which must not refer
+    to the Client) can close it: the AsyncClient, the private loop and its thread."""
+
+    def __init__(
+        self, client: AsyncClient, loop: asyncio.AbstractEventLoop, thread: threading.Thread
+    ) -> None:
+        self.client = client
+        self.loop = loop
+        self.thread = thread
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+        self.loop.close()
+
+    async def _shutdown(self) -> None:
+        # Every task on this private loop is a call this client started: it owns them.
+        current = asyncio.current_task()
+        calls = [t for t in asyncio.all_tasks() if t is not current]
+        for task in calls:
+            task.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await self.client.close()
 
 
 async def _next_delta(deltas: AsyncIterator[str]) -> tuple[bool, str]:
