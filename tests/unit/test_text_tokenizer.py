@@ -132,7 +132,8 @@ def test_token_text_shows_special_tokens_and_partial_bytes() -> None:
     assert text.token_text(1) == "<|end_of_text|>"
     assert text.token_text(text.encode("The")[1]) == "The"
     partial = reference("llama")["decodes"][-1]["ids"][-1]  # the first byte of "日"
-    assert text.token_text(partial) == "\ufffd"
+    assert text.decode([partial]) == "\ufffd"
+    assert text.token_text(partial) == "æ"  # byte 0xE6 in the byte-level alphabet
     assert text.token_text(10**6) == ""  # an id the tokenizer does not have
 
 
@@ -157,3 +158,18 @@ def test_logprob_texts_are_filled_from_the_tokenizer() -> None:
     filled = text.with_texts(agent)
     assert filled.text == "The" and filled.logprob == -0.5
     assert [(t.token_id, t.text, t.logprob) for t in filled.top] == [(1, "<|end_of_text|>", -1.0)]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_byte_tokens_keep_distinct_texts_for_logprobs(model: str) -> None:
+    """A token that is part of a character decodes alone to U+FFFD; its logprob text is its
+    vocabulary entry instead, so top alternatives never collapse into one text."""
+    text = text_model(model)
+    partial = [
+        i for i in range(text.vocab_size) if "\ufffd" in text.decode([i], skip_special_tokens=False)
+    ]
+    assert len(partial) > 100  # the byte-level alphabet's non-ASCII half
+    texts = [text.token_text(i) for i in partial]
+    assert len(set(texts)) == len(partial) and not any("\ufffd" in t for t in texts)
+    whole = next(i for i in range(text.vocab_size) if i not in partial and text.decode([i]))
+    assert text.token_text(whole) == text.decode([whole], skip_special_tokens=False)

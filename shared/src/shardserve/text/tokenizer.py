@@ -128,8 +128,13 @@ class TextModel:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token: int) -> str:
-        """One token's own text, special tokens included ("" for an id the tokenizer lacks)."""
-        return self.decode([token], skip_special_tokens=False)
+        """One token's own text, special tokens included ("" for an id the tokenizer lacks).
+        A token that is part of a character (a byte token: its text alone is U+FFFD) is named
+        by its vocabulary entry ("<0xE2>", "âĢ"), so logprobs' alternatives stay distinct."""
+        text = self.decode([token], skip_special_tokens=False)
+        if "\ufffd" in text:
+            return str(self._tokenizer.id_to_token(token) or text)
+        return text
 
     def with_texts(self, logprob: TokenLogprob) -> TokenLogprob:
         """The agent's TokenLogprob (texts "") with each token's text filled in."""
