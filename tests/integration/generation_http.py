@@ -55,13 +55,15 @@ def start_mesh(
 
 
 @contextlib.contextmanager
-def layouts_mesh(amqp_url: str, tmp: pytest.TempPathFactory) -> Iterator[LocalMesh]:
+def layouts_mesh(
+    amqp_url: str, tmp: pytest.TempPathFactory, env: Mapping[str, str] | None = None
+) -> Iterator[LocalMesh]:
     """The llama fixture exported at TP 2 (``llama_tp2``) and at 2 stages x TP 2
     (``llama_pp2``), served by one `shardserve up`."""
     repo = tmp.mktemp("repo")
     export_hf(FIXTURE, repo, rank_size=2, name="llama_tp2")
     export_hf(FIXTURE, repo, rank_size=4, stage_size=2, name="llama_pp2")
-    mesh = start_mesh(repo, amqp_url, tmp.mktemp("mesh") / "mesh.log")
+    mesh = start_mesh(repo, amqp_url, tmp.mktemp("mesh") / "mesh.log", env=env)
     try:
         yield mesh
     finally:

@@ -4,11 +4,14 @@ logit_bias and min_tokens give the same tokens at every layout and on every run;
 generation_config.json's defaults apply when a request leaves a field out; max_tokens left out
 fills the context and one beyond it is a 400 naming it (OpenAI, Triton); what stays
 unsupported is a 400 naming the parameter; models.retrieve; every /v1 error in OpenAI's
-shape; Triton generate takes top-level parameters."""
+shape; Triton generate takes top-level parameters. And the commands around the mesh: a
+second `shardserve up` on its vhost is refused naming it, `shardserve status` finds its
+gateway (not port 8080) and ends quietly when its reader does."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ import aiohttp
 import openai
 import pytest
 
-from shardserve.ops.child_mesh import LocalMesh
+from shardserve.ops.child_mesh import SHARDSERVE, LocalMesh
 from shardserve.text.tokenizer import TextModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,7 +38,9 @@ TEXT = TextModel.load(FIXTURE, "llama", 512)
 
 @pytest.fixture(scope="module")
 def mesh(isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    with layouts_mesh(isolated_amqp_url, tmp_path_factory) as mesh:
+    # Its own user cache: the run record `status` reads is this mesh's alone.
+    cache = {"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache"))}
+    with layouts_mesh(isolated_amqp_url, tmp_path_factory, env=cache) as mesh:
         yield mesh
 
 
@@ -258,3 +263,48 @@ async def test_triton_generate_takes_top_level_parameters(mesh: LocalMesh) -> No
         async with session.post(url, json=misspelt) as response:
             assert response.status == 400
             assert "max_token" in (await response.json())["error"]
+
+
+# --- the commands around a running mesh -------------------------------------------------------
+
+
+def test_a_second_up_on_the_same_vhost_is_refused_naming_the_running_mesh(
+    mesh: LocalMesh,
+) -> None:
+    second = subprocess.run(
+        [SHARDSERVE, "up", str(mesh.repo), "--http-port", "0"],
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode != 0
+    vhost = mesh.amqp_url.rsplit("/", 1)[1]
+    assert f"a mesh already runs on the broker's vhost '{vhost}'" in second.stderr
+    assert f"gateway {mesh.http_url}" in second.stderr and str(mesh.repo) in second.stderr
+    assert "Traceback" not in second.stderr
+
+
+def test_status_finds_the_gateway_up_started_and_ends_quietly_in_a_pipe(
+    mesh: LocalMesh,
+) -> None:
+    assert mesh.http_port != 8080
+    whole = subprocess.run(
+        [SHARDSERVE, "status"],
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert whole.returncode == 0, whole.stderr
+    assert "llama_tp2" in whole.stdout and "llama_pp2" in whole.stdout
+    piped = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", f"{SHARDSERVE} status | head -1"],
+        env=mesh.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout == whole.stdout.splitlines(keepends=True)[0]
+    assert piped.stderr == ""

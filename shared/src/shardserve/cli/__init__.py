@@ -115,4 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exec_service(args_list[0], args_list[1:])
     args = build_parser().parse_args(args_list)
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:
+        # The reader left (`shardserve status | head -1`): what it wanted is out; no
+        # traceback. Python would still fail flushing stdout at exit: point it at devnull.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

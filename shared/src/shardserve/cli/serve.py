@@ -14,6 +14,8 @@ from shardserve.process.settings import threads_count
 if TYPE_CHECKING:
     from shardserve.cli.common import Subparsers
 
+DEFAULT_STATUS_URL = "http://127.0.0.1:8080"
+
 
 def _run_up(args: argparse.Namespace) -> int:
     from shardserve.ops.launch.plan import UpOptions
@@ -118,10 +120,13 @@ def _non_negative_float(text: str) -> float:
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    from shardserve.ops.launch.records import live_records
     from shardserve.ops.launch.status import StatusUnavailable, fetch_status, format_status
 
+    records = live_records()
+    url = args.url or (records[0].url if records else DEFAULT_STATUS_URL)
     try:
-        status = fetch_status(args.url, timeout=args.timeout)
+        status = fetch_status(url, timeout=args.timeout)
     except StatusUnavailable as exc:
         print(f"shardserve status: {exc}", file=sys.stderr)
         return 1
@@ -131,6 +136,11 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def build_status(subparsers: Subparsers) -> None:
     parser = subparsers.add_parser("status", help="show every servable's rank x stage grid")
-    parser.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL")
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="gateway base URL (default: the gateway of the newest `shardserve up` running "
+        f"on this machine, else {DEFAULT_STATUS_URL})",
+    )
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.set_defaults(handler=_run_status)

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardserve.errors import RepositoryError
 from shardserve.ops.launch.plan import (
@@ -41,6 +42,7 @@ from shardserve.ops.launch.plan import (
     with_agent_threads,
 )
 from shardserve.ops.launch.processes import Mesh
+from shardserve.ops.launch.records import UpRecord, live_records, vhost_of
 from shardserve.ops.launch.status import (
     StatusBoard,
     StatusUnavailable,
@@ -54,6 +56,10 @@ from shardserve.process.redact import redact_url
 from shardserve.process.settings import AMQP_URL_ENV, BrokerSettings
 from shardserve.process.supervise import EXIT_USAGE
 from shardserve.repo.repository import GroupConfig
+from shardserve.wire import topology
+
+if TYPE_CHECKING:
+    from aio_pika.abc import AbstractConnection
 
 EXIT_FAILED = 1
 
@@ -78,7 +84,9 @@ class LaunchError(Exception):
 
 
 async def check_broker(settings: BrokerSettings, connect_timeout: float = 5.0) -> None:
-    """Open (and close) one AMQP connection, so a wrong host or password shows up now."""
+    """Open (and close) one AMQP connection, so a wrong host or password shows up now, and
+    refuse a vhost where a mesh already runs (its schedulers consume the leadership queue):
+    a second one would silently join it as a standby and refuse its own agents."""
     import aio_pika
 
     failures = []
@@ -88,11 +96,39 @@ async def check_broker(settings: BrokerSettings, connect_timeout: float = 5.0) -
         except Exception as exc:  # any failure means "not usable"; we report all of them
             failures.append(f"{redact_url(url)}: {exc or type(exc).__name__}")
             continue
-        await connection.close()
+        try:
+            schedulers = await _leader_consumers(connection)
+        finally:
+            await connection.close()
+        if schedulers:
+            raise LaunchError(_running_mesh_message(vhost_of(url), schedulers))
         return
     raise LaunchError(
         "cannot reach RabbitMQ (" + "; ".join(failures) + "). Start one (scripts/ensure-rabbitmq)"
         f" or point {AMQP_URL_ENV} at a running broker."
+    )
+
+
+async def _leader_consumers(connection: AbstractConnection) -> int:
+    """Schedulers consuming the vhost's leadership queue (0 when it does not exist)."""
+    from aiormq.exceptions import ChannelNotFoundEntity
+
+    channel = await connection.channel()
+    try:
+        queue = await channel.declare_queue(topology.SCHEDULER_LEADER_QUEUE, passive=True)
+    except ChannelNotFoundEntity:
+        return 0
+    result = queue.declaration_result
+    await channel.close()
+    return int(result.consumer_count or 0)
+
+
+def _running_mesh_message(vhost: str, schedulers: int) -> str:
+    running = [r.describe() for r in live_records() if r.vhost == vhost]
+    which = f": {'; '.join(running)}" if running else f" ({schedulers} scheduler(s) running)"
+    return (
+        f"a mesh already runs on the broker's vhost {vhost!r}{which}. Stop it first, or run "
+        f"this one on another vhost ({AMQP_URL_ENV}=amqp://HOST:5672/OTHER_VHOST)."
     )
 
 
@@ -122,6 +158,8 @@ async def serve(repo: Path, groups: list[GroupConfig], options: UpOptions) -> in
         async with asyncio.TaskGroup() as tasks:
             mesh.attach(tasks)
             _start(mesh, repo, groups, options)
+            record = UpRecord(os.getpid(), base_url, str(repo), _vhost())
+            tasks.create_task(_keep_record(record, mesh))
             watchers = [
                 tasks.create_task(
                     watch_progress(base_url, mesh.running_groups, options.status_interval, board)
@@ -139,6 +177,16 @@ async def serve(repo: Path, groups: list[GroupConfig], options: UpOptions) -> in
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     return EXIT_FAILED if mesh.failed else 0
+
+
+async def _keep_record(record: UpRecord, mesh: Mesh) -> None:
+    """The run record exists until the mesh is asked to stop (status finds the gateway)."""
+    with record.kept():
+        await mesh.stop_requested.wait()
+
+
+def _vhost() -> str:
+    return vhost_of(BrokerSettings.from_env().urls[0])
 
 
 def run_up(options: UpOptions) -> int:
