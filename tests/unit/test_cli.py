@@ -351,3 +351,37 @@ def test_describe_group_says_per_rank_files_bytes_and_checksum(matmul_repo: Path
         line = next(x for x in lines if x.startswith(f"  rank {rank.rank} "))
         assert f"{len(rank.files)} files, {size:,} bytes, checksum {rank.checksum[:12]}" in line
         assert not any(name in line for name in rank.files)
+
+
+def test_up_takes_every_service_option_and_passes_it_to_the_services_that_declare_it(
+    matmul_repo: Path,
+) -> None:
+    """Derived from the services' declarations: each option they declare (but what up sets
+    per process) is on up, and ends on the command line of exactly the services declaring it."""
+    from shardserve.ops.launch.service_options import (
+        PER_PROCESS,
+        service_argvs,
+        service_options,
+    )
+
+    up = cli.build_parser()._subparsers._group_actions[0].choices["up"]  # type: ignore[union-attr]
+    for service in ("scheduler", "gateway", "agent"):
+        settings = _service_settings(service).build_parser()
+        flags = {f for a in settings._actions for f in a.option_strings if f.startswith("--")}
+        assert flags - {"--help"} - PER_PROCESS - {"--no-" + f[2:] for f in flags} <= set(
+            up._option_string_actions
+        ), service
+    args = cli.build_parser().parse_args(
+        ["up", str(matmul_repo), "--max-waiting-sequences", "3", "--drain-seconds", "5",
+         "--no-open-health", "--no-share-weights", "--cache-mode", "mem_opt"]
+    )  # fmt: skip
+    options = UpOptions(service_args=service_argvs(args))
+    tiers = plan_children(matmul_repo, discover_groups(matmul_repo), options)
+    scheduler, gateway, agent = (tiers[t][0].argv for t in ("scheduler", "gateway", "agent"))
+    assert scheduler[-4:] == ("--drain-seconds", "5.0", "--max-waiting-sequences", "3")
+    assert gateway[-3:] == ("--drain-seconds", "5.0", "--no-open-health")
+    assert " ".join(agent).endswith("--drain-seconds 5.0 --cache-mode mem_opt --no-share-weights")
+    for tier, specs in tiers.items():  # each service's own parser takes them
+        parsed = _service_settings(tier).build_parser().parse_args(list(specs[0].argv[3:]))
+        assert parsed.drain_seconds == 5.0
+    assert {o.declared.flag for o in service_options()} & PER_PROCESS == set()

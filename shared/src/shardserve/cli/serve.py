@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardserve.cli.common import positive_int
+from shardserve.ops.launch.service_options import add_service_options
 from shardserve.process.settings import threads_count
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ DEFAULT_STATUS_URL = "http://127.0.0.1:8080"
 
 def _run_up(args: argparse.Namespace) -> int:
     from shardserve.ops.launch.plan import UpOptions
+    from shardserve.ops.launch.service_options import service_argvs
     from shardserve.ops.launch.up import run_up
 
     options = UpOptions(
@@ -35,6 +37,7 @@ def _run_up(args: argparse.Namespace) -> int:
         repository_poll_seconds=args.repository_poll_seconds,
         max_memory_mb=args.max_memory_mb,
         kv_cache_mb=args.kv_cache_mb,
+        service_args=service_argvs(args),
     )
     return run_up(options)
 
@@ -109,6 +112,7 @@ def build_up(subparsers: Subparsers) -> None:
         default=15.0,
         help="per tier on stop: wait this long after SIGTERM, then SIGKILL",
     )
+    add_service_options(parser)
     parser.set_defaults(handler=_run_up)
 
 

@@ -44,6 +44,11 @@ class UpOptions:
     # Passed to every agent; None: the agent's own default (see shardserve_agent.settings).
     max_memory_mb: int | None = None
     kv_cache_mb: int | None = None
+    # (service, arguments): the services' own options given to up (see service_options).
+    service_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def args_of(self, service: str) -> tuple[str, ...]:
+        return dict(self.service_args).get(service, ())
 
 
 def with_agent_threads(options: UpOptions, agents: int) -> tuple[UpOptions, int]:
@@ -142,6 +147,7 @@ def agent_specs(
                 str(options.threads or 1),
                 *(["--no-cache"] if options.no_cache else []),
                 *_agent_memory_args(options),
+                *options.args_of("agent"),
             ),
             final_codes=frozenset({EXIT_USAGE, EXIT_REFUSED}),
         )
@@ -187,7 +193,14 @@ def _gateway_specs(options: UpOptions) -> list[ChildSpec]:
     shared = ("--reuse-port",) if options.gateways > 1 else ()
     grpc = () if options.grpc_port is None else ("--grpc-port", str(options.grpc_port))
     argv = service_argv(
-        "gateway", "--host", options.host, "--http-port", str(options.http_port), *grpc, *shared
+        "gateway",
+        "--host",
+        options.host,
+        "--http-port",
+        str(options.http_port),
+        *grpc,
+        *shared,
+        *options.args_of("gateway"),
     )
     return [
         ChildSpec("gateway" if options.gateways == 1 else f"gateway {index}", argv)
@@ -206,6 +219,7 @@ def _scheduler_argv(repo: Path, options: UpOptions) -> tuple[str, ...]:
         f"{HEARTBEAT_TIMEOUT_S:g}",
         "--repository-poll-seconds",
         f"{options.repository_poll_seconds:g}",
+        *options.args_of("scheduler"),  # after the defaults above: a given one wins
     )
 
 
