@@ -79,7 +79,7 @@ def test_an_unknown_option_is_refused_by_name_before_anything_is_sent() -> None:
 
 def test_options_left_out_are_the_servers_defaults() -> None:
     body = request_body("Say", {"stop": "!", "ignore_eos": False, "top_p": None})
-    assert body == {"text_input": "Say", "parameters": {"max_tokens": 16, "stop": ["!"]}}
+    assert body == {"text_input": "Say", "parameters": {"stop": ["!"]}}  # max_tokens: the context
 
 
 async def test_typed_errors_before_the_stream(make_gen_gateway: MakeGenGateway) -> None:

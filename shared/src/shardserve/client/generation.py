@@ -36,10 +36,11 @@ def generate_url(base_url: str, servable: str, version: int, *, stream: bool) ->
 class GenerateOptions(TypedDict, total=False):
     """The keyword options of ``generate`` (both clients), declared once here.
 
-    ``max_tokens`` defaults to 16; a sampling option left out (or None) is the server's
-    default. ``temperature`` 0 is greedy. ``request_id`` travels as ``X-Request-Id``."""
+    An option left out (or None) is the server's default: ``max_tokens`` up to the model's
+    context, the sampling options the model's generation_config.json. ``temperature`` 0 is
+    greedy. ``request_id`` travels as ``X-Request-Id``."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float | None
     top_p: float | None
     top_k: int | None
@@ -48,9 +49,6 @@ class GenerateOptions(TypedDict, total=False):
     stop_token_ids: Sequence[int] | None
     ignore_eos: bool
     request_id: str | None
-
-
-DEFAULT_MAX_TOKENS = 16
 
 
 def request_body(prompt: str, options: GenerateOptions) -> dict[str, Any]:
@@ -62,7 +60,7 @@ def request_body(prompt: str, options: GenerateOptions) -> dict[str, Any]:
     stops = [stop] if isinstance(stop, str) else (list(stop) if stop is not None else None)
     stop_token_ids = options.get("stop_token_ids")
     parameters = {
-        "max_tokens": options.get("max_tokens", DEFAULT_MAX_TOKENS),
+        "max_tokens": options.get("max_tokens"),
         "temperature": options.get("temperature"),
         "top_p": options.get("top_p"),
         "top_k": options.get("top_k"),
