@@ -98,7 +98,7 @@ def test_the_example_streams_transformers_greedy_text(mesh: Any) -> None:
 
 
 def test_the_example_cancels_and_the_kv_cache_is_freed(mesh: Any) -> None:
-    args = ("--max-tokens", "120", "--ignore-eos", "--cancel-after", "2")
+    args = ("--max-tokens", "100", "--ignore-eos", "--cancel-after", "2")
     code, out, err = run_example(mesh.amqp_url, *args)
     assert code == 0, err
     assert "[cancelled after 2 chunks: the generation was cancelled by its caller]" in out
