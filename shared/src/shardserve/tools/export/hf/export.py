@@ -94,15 +94,18 @@ def export_hf(
 ) -> GroupConfig:
     """Write ``checkpoint`` as servable ``name`` (default: the folder's name) under ``out``;
     with ``quantize``, each rank's linear layers are quantized as its segments are written."""
+    config = load_config(checkpoint)
+    servable = name or checkpoint.resolve().name
+    _check_tokenizer(checkpoint, servable, config.vocab)
     source = DecoderSource(
-        config=load_config(checkpoint),
+        config=config,
         tensors=Checkpoint(checkpoint, progress),
         write_tokenizer=functools.partial(_copy_tokenizer, checkpoint),
     )
     return export_decoder(
         source,
         out,
-        name=name or checkpoint.resolve().name,
+        name=servable,
         rank_size=rank_size,
         stage_size=stage_size,
         version=version,
@@ -130,7 +133,6 @@ def export_decoder(
     plans = [plan_rank(config, rank_size, stage_size, r) for r in range(rank_size)]
     weights = weight_source(source.tensors, config)
     weights.check()
-    _check_tokenizer(checkpoint, servable, config.vocab)
     report_progress(progress, f"{config.architecture}: {describe(config)}")
     with _removed_on_failure(out / name):
         with staged_version(out / name, version, overwrite=overwrite, tag=source.model) as staging:
