@@ -29,7 +29,7 @@ from quantized_reference import dequantized_weights
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from shardserve.ops.child_mesh import LocalMesh
+from shardserve.ops.child_mesh import LocalMesh, isolated_vhost
 from shardserve.tools.export.hf import export_hf
 from shardserve.tools.quantize import QuantizeSpec
 
@@ -102,17 +102,20 @@ def mesh(
 
 @pytest.fixture(scope="module")
 def int4_mesh(
-    checkpoint: Path, isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+    checkpoint: Path, amqp_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalMesh]:
+    # A vhost of its own: `shardserve up` refuses a second mesh on a vhost that already has
+    # one, and the module's fp32 mesh may still be running.
     repo = tmp_path_factory.mktemp("repo_int4")
     export_hf(checkpoint, repo, rank_size=INT4_RANKS, name=SERVABLE, quantize=INT4)
     log = tmp_path_factory.mktemp("mesh_int4") / "mesh.log"
     up_args = ("--max-memory-mb", str(INT4_CAP_MB), "--kv-cache-mb", str(KV_MB), "--no-cache")
-    mesh = start_mesh(repo, isolated_amqp_url, log, up_args)
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
+    with isolated_vhost(amqp_url, "shardserve-test") as url:
+        mesh = start_mesh(repo, url, log, up_args)
+        try:
+            yield mesh
+        finally:
+            mesh.stop()
 
 
 def numpy_greedy(
