@@ -142,12 +142,17 @@ def write_checkpoint(
 
 
 def reference_logits(
-    kind: str, weights: Weights, ids: list[int], head: np.ndarray | None = None
+    kind: str,
+    weights: Weights,
+    ids: list[int],
+    head: np.ndarray | None = None,
+    config: dict[str, Any] | None = None,
 ) -> np.ndarray:
     """Logits [T, V] of the whole sequence ``ids``, float64, no cache; ``head`` [V, H]
-    replaces the LM head (a tied head's quantized copy, the embedding staying as it is)."""
+    replaces the LM head (a tied head's quantized copy, the embedding staying as it is);
+    ``config`` replaces ``CONFIGS[kind]`` (a Llama-family model from elsewhere)."""
     w = {n: a.astype(np.float64) for n, a in weights.items()}
-    hidden = _gpt2(w, ids) if kind == "gpt2" else _llama(kind, w, ids)
+    hidden = _gpt2(w, ids) if kind == "gpt2" else _llama(kind, w, ids, config)
     return hidden @ (default_head(kind, w) if head is None else head.astype(np.float64)).T
 
 
@@ -212,8 +217,10 @@ def _linear(w: Weights, name: str, x: np.ndarray) -> np.ndarray:
     return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
 
 
-def _llama(kind: str, w: Weights, ids: list[int]) -> np.ndarray:
-    c = CONFIGS[kind]
+def _llama(
+    kind: str, w: Weights, ids: list[int], config: dict[str, Any] | None = None
+) -> np.ndarray:
+    c = config or CONFIGS[kind]
     eps, theta, t = c["rms_norm_eps"], c["rope_theta"], len(ids)
     x = w["model.embed_tokens.weight"][ids]
     for layer in range(c["num_hidden_layers"]):

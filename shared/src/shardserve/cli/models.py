@@ -244,7 +244,8 @@ def build_export(subparsers: Subparsers) -> None:
 
     gguf = models.add_parser(
         "gguf",
-        help="a llama.cpp GGUF file (Llama, Mistral, Qwen2; weights dequantized to fp32)",
+        help="a llama.cpp GGUF file (Llama, Mistral, Qwen2; weights dequantized to fp32, "
+        "or with --quantize of their precision and block size 32, Q8_0/Q4_0 blocks kept)",
     )
     gguf.add_argument("gguf_file", type=Path, help="the .gguf file")
     _add_common_export_options(gguf, default_name=None)

@@ -4,7 +4,9 @@ constant 2-D float initializer (``MatMul(x, W)``, ``Gemm(x, W[, bias])`` with
 (embedding ``Gather``s, norms, activations, the KV cache outside the graph) stays fp32.
 
 Run per rank after slicing, so each rank quantizes only the weights it holds and a block
-never straddles two ranks' parts.
+never straddles two ranks' parts. A weight the source held quantized already (a GGUF
+file's Q8_0/Q4_0 blocks, sliced for the rank) is given in ``kept``: when its blocks have the
+format the spec asks for that weight, they are used as they are (no second rounding).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from shardserve.errors import ExportError
-from shardserve.tools.quantize.blocks import check_block_size, quantize_blocks
+from shardserve.tools.quantize.blocks import QuantizedBlocks, check_block_size, quantize_blocks
 from shardserve.tools.quantize.nodes import (
     ACCURACY_LEVELS,
     DEFAULT_ACCURACY_LEVEL,
@@ -83,8 +85,13 @@ class QuantizeSpec:
         }
 
 
-def quantize_model(model: onnx.ModelProto, spec: QuantizeSpec) -> onnx.ModelProto:
-    """A copy of ``model`` with its constant-weight linear layers as ``MatMulNBits``."""
+def quantize_model(
+    model: onnx.ModelProto,
+    spec: QuantizeSpec,
+    kept: Mapping[str, QuantizedBlocks] | None = None,
+) -> onnx.ModelProto:
+    """A copy of ``model`` with its constant-weight linear layers as ``MatMulNBits``
+    (``kept``: blocks made at the source, by weight initializer name)."""
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     uses = Counter(name for node in graph.node for name in node.input)
@@ -92,7 +99,7 @@ def quantize_model(model: onnx.ModelProto, spec: QuantizeSpec) -> onnx.ModelProt
     added: list[onnx.TensorProto] = []
     consumed: set[str] = set()
     for node in graph.node:
-        replacement = _replace(node, weights, spec)
+        replacement = _replace(node, weights, spec, kept or {})
         if replacement is None:
             nodes.append(node)
             continue
@@ -101,18 +108,29 @@ def quantize_model(model: onnx.ModelProto, spec: QuantizeSpec) -> onnx.ModelProt
         consumed.update(n for n in node.input[1:] if n)
     if not added:
         return model
-    kept = [t for t in graph.initializer if t.name not in consumed or uses[t.name] > 1]
-    return _rebuilt(model, nodes, [*kept, *added])
+    remaining = [t for t in graph.initializer if t.name not in consumed or uses[t.name] > 1]
+    return _rebuilt(model, nodes, [*remaining, *added])
 
 
 def _replace(
-    node: onnx.NodeProto, weights: dict[str, onnx.TensorProto], spec: QuantizeSpec
+    node: onnx.NodeProto,
+    weights: dict[str, onnx.TensorProto],
+    spec: QuantizeSpec,
+    kept: Mapping[str, QuantizedBlocks],
 ) -> NBitsMatMul | None:
     linear = _linear(node, weights)
     if linear is None:
         return None
     weight_nk, bias = linear
-    blocks = quantize_blocks(weight_nk, *spec.format_for(node.input[1]))
+    blocks = kept.get(node.input[1])
+    bits, block_size = spec.format_for(node.input[1])
+    if blocks is None or (blocks.bits, blocks.block_size) != (bits, block_size):
+        blocks = quantize_blocks(weight_nk, bits, block_size)
+    elif (blocks.n, blocks.k) != weight_nk.shape:
+        raise ExportError(
+            f"kept blocks of {node.input[1]!r} are [{blocks.n}, {blocks.k}], "
+            f"its weight is {list(weight_nk.shape)}"
+        )
     return matmul_nbits(
         node.input[1],
         blocks,

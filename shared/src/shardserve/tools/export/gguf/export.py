@@ -1,7 +1,8 @@
 """``shardserve export gguf``: a llama.cpp GGUF file (Llama, Mistral, Qwen2) as per-rank
 slices, through the Hugging Face exporter: the metadata becomes its ``DecoderConfig``, the
-tensors are renamed, un-permuted and dequantized to fp32, and the tokenizer is rebuilt from
-the metadata."""
+tensors are renamed, un-permuted and dequantized to fp32 (with ``--quantize``, Q8_0/Q4_0
+linear weights of that precision keep the file's blocks instead), and the tokenizer is
+rebuilt from the metadata."""
 
 from __future__ import annotations
 
@@ -41,12 +42,13 @@ def export_gguf(
     quantize: QuantizeSpec | None = None,
 ) -> GroupConfig:
     """Write ``gguf_file`` as servable ``name`` (default: from the file name) under ``out``
-    (its fp32 weights quantized per rank by ``quantize`` when given)."""
+    (its weights quantized per rank by ``quantize`` when given, the file's own Q8_0/Q4_0
+    blocks kept where they are that format)."""
     file = GgufFile(gguf_file)
     config = decoder_config(file)
     source = DecoderSource(
         config=config,
-        tensors=GgufTensors(file, config, progress),
+        tensors=GgufTensors(file, config, progress, keep_blocks=quantize is not None),
         write_tokenizer=functools.partial(write_tokenizer, file),
         model="gguf",
     )

@@ -4,7 +4,8 @@ llama.cpp's converter renames every tensor (``blk.3.attn_q.weight``), stores sha
 fastest-dimension first, and for the ``llama`` architecture permutes the rows of the Q and
 K projections so that its rotary kernel sees each head's pairs side by side; this undoes
 that (exactly as transformers' GGUF loader does) so that the Hugging Face graph's
-``rotate_half`` rotary applies. Quantized types are dequantized with the ``gguf`` package.
+``rotate_half`` rotary applies. Quantized types are dequantized with the ``gguf`` package;
+Q8_0 and Q4_0 linear weights can also be handed out as their blocks, exactly (``blocks``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import numpy as np
 from gguf import GGMLQuantizationType, dequantize
 
 from shardserve.errors import ExportError
+from shardserve.tools.export.gguf.blocks import BLOCK, EXACT_BITS, exact_blocks
 from shardserve.tools.export.gguf.file import GgufFile
 from shardserve.tools.export.hf.config import DecoderConfig
+from shardserve.tools.quantize import QuantizedBlocks
 
 __all__ = ["GgufTensors", "hf_to_gguf_name"]
 
@@ -59,9 +62,15 @@ class GgufTensors:
     """The exporter's ``TensorSource`` over a GGUF file."""
 
     def __init__(
-        self, file: GgufFile, config: DecoderConfig, progress: Callable[[str], None] | None = None
+        self,
+        file: GgufFile,
+        config: DecoderConfig,
+        progress: Callable[[str], None] | None = None,
+        *,
+        keep_blocks: bool = False,
     ) -> None:
-        self.file, self.config = file, config
+        """``keep_blocks``: hand out Q8_0/Q4_0 blocks (an export that quantizes keeps them)."""
+        self.file, self.config, self.keep_blocks = file, config, keep_blocks
         self._permuted = file.get("general.architecture") == "llama"
         self._progress = progress
         self._seen: set[str] = set()
@@ -103,6 +112,39 @@ class GgufTensors:
         index = (rows or slice(None),) if cols is None else (rows or slice(None), cols)
         return np.ascontiguousarray(whole[index], dtype=np.float32)
 
+    def blocks(
+        self, name: str, rows: slice | None = None, cols: slice | None = None
+    ) -> QuantizedBlocks | None:
+        """``name[rows, cols]`` as the file's own Q8_0/Q4_0 blocks (no rounding), or None when
+        it is another type or ``cols`` (a K split) does not fall on 32-value block bounds."""
+        if not self.keep_blocks:
+            return None
+        tensor = self._tensor(name)
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        n, k = (int(d) for d in reversed(tensor.shape)) if len(tensor.shape) == 2 else (0, 0)
+        cols = cols or slice(0, k)
+        if kind not in EXACT_BITS or not n:
+            return None
+        if cols.start % BLOCK or cols.stop % BLOCK:
+            self._say(
+                f"{tensor.name}: this rank's columns {cols.start}:{cols.stop} split blocks of "
+                f"{BLOCK}, re-quantized from fp32"
+            )
+            return None
+        whole = exact_blocks(kind, np.asarray(tensor.data).reshape(n, -1), n, k)
+        packed = self._unpermuted(name, whole.packed)
+        scales = self._unpermuted(name, whole.scales.reshape(n, -1))
+        index = (rows or slice(None), slice(cols.start // BLOCK, cols.stop // BLOCK))
+        part = np.ascontiguousarray(scales[index])
+        return QuantizedBlocks(
+            np.ascontiguousarray(packed[index]),
+            part.reshape(-1),
+            whole.bits,
+            BLOCK,
+            k=cols.stop - cols.start,
+            n=part.shape[0],
+        )
+
     def _unpermuted(self, name: str, weight: np.ndarray) -> np.ndarray:
         if not self._permuted:
             return weight
@@ -115,5 +157,8 @@ class GgufTensors:
     def _note(self, kind: GGMLQuantizationType) -> None:
         if kind.name not in self._seen and kind != GGMLQuantizationType.F32:
             self._seen.add(kind.name)
-            if self._progress is not None:
-                self._progress(f"dequantized {kind.name} -> fp32")
+            self._say(f"dequantized {kind.name} -> fp32")
+
+    def _say(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress(line)

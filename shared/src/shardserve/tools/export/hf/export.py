@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,7 +51,7 @@ from shardserve.tools.export.hf.weights import (
     TensorSource,
     weight_source,
 )
-from shardserve.tools.quantize import QuantizeSpec, quantize_model
+from shardserve.tools.quantize import QuantizedBlocks, QuantizeSpec, quantize_model
 from shardserve.tools.slice_writer import EXTERNAL_DATA_THRESHOLD, save_model
 from shardserve.wire.protocol import TensorSpec
 
@@ -185,9 +185,9 @@ def _write_rank(
     rank_folder.mkdir()
     files: dict[str, str] = {}
 
-    def write(name: str, model: onnx.ModelProto) -> None:
+    def write(name: str, model: onnx.ModelProto, blocks: Mapping[str, QuantizedBlocks]) -> None:
         if quantize is not None:
-            model = quantize_model(model, quantize)
+            model = quantize_model(model, quantize, blocks)
         for written in save_model(model, rank_folder / name, EXTERNAL_DATA_THRESHOLD):
             files[written] = sha256_file(rank_folder / written)
 

@@ -97,10 +97,15 @@ class _RankGraph:
         )
         return self.g.op("Mul", gamma, self.g.op("Div", x, root))
 
-    def linear(self, x: str, linear: Linear, hint: str) -> str:
-        ins = [x, self.const(f"{hint}.weight", linear.weight)]
+    def linear(self, x: str, linear: Linear, hint: str, out: str | None = None) -> str:
+        # the head's weight is plainly "lm_head" (int4-mixed picks its precision by that name)
+        ins = [x, self.const(hint if hint == "lm_head" else f"{hint}.weight", linear.weight)]
+        if linear.blocks is not None:  # quantized at the source: the quantize pass keeps them
+            self.out.blocks[ins[1]] = linear.blocks
         if linear.bias is not None:
             ins.append(self.const(f"{hint}.bias", linear.bias))
+        if out is not None:
+            return self.out.make("Gemm", *ins, out=out, transB=int(linear.out_major))
         return self.g.op("Gemm", *ins, transB=int(linear.out_major))
 
     def layer(self, layer: int, h: str) -> str:
@@ -208,10 +213,10 @@ class _RankGraph:
         rows = self.g.op("Gather", self.out.take(h), self.out.take("logit_rows"), axis=0)
         x = self.norm(rows, self.w.final_norm())
         split = self.plan.ranks > 1 and self.plan.vocab is not None
-        weight = self.const("lm_head", self.w.lm_head(self.plan.vocab if split else None))
+        weight = self.w.lm_head(self.plan.vocab if split else None)
         width = self.c.vocab // self.plan.ranks if split else self.c.vocab
         name = self.out.declare("logits.shard" if split else "logits", [ROWS, width])
-        self.out.make("Gemm", x, weight, out=name, transB=1)
+        self.linear(x, weight, "lm_head", out=name)
         self.out.close([name])
         if split:
             self.out.program.append(AllGatherOp(input=name, output="logits", axis=-1))

@@ -9,7 +9,7 @@ dimension ``tokens`` (N) for every per-token tensor, ``rows`` (M) for the logit 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx
@@ -17,10 +17,12 @@ from onnx import TensorProto
 
 from shardserve.repo.repository import AllGatherOp, AllReduceOp, AttentionOp, ProgramOp, RunOp
 from shardserve.tools.onnx_graph import GraphBuilder, Shape
+from shardserve.tools.quantize import QuantizedBlocks
 
 __all__ = ["ProgramWriter", "SegmentSink"]
 
-SegmentSink = Callable[[str, onnx.ModelProto], None]
+# (file name, segment, its weights quantized at the source by initializer name)
+SegmentSink = Callable[[str, onnx.ModelProto, Mapping[str, QuantizedBlocks]], None]
 
 
 @dataclass
@@ -32,6 +34,8 @@ class ProgramWriter:
     program: list[ProgramOp] = field(default_factory=list)
     segments: dict[str, onnx.ModelProto] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    # this segment's initializers that the source holds quantized (for the sink's quantize)
+    blocks: dict[str, QuantizedBlocks] = field(default_factory=dict)
     _specs: dict[str, tuple[int, Shape]] = field(default_factory=dict)
     _inputs: list[str] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)  # declared tensors made in this segment
@@ -69,10 +73,10 @@ class ProgramWriter:
         if self.sink is None:
             self.segments[file] = model
         else:
-            self.sink(file, model)
+            self.sink(file, model, self.blocks)
         self.files.append(file)
         self.program.append(RunOp(file=file))
-        self._inputs, self._made = [], []
+        self._inputs, self._made, self.blocks = [], [], {}
         self.g = GraphBuilder(f"{self.label}_segment{len(self.files)}")
 
     def cut(self, op: AllReduceOp | AllGatherOp | AttentionOp, carry: Sequence[str]) -> None:

@@ -5,20 +5,33 @@ rank's heads, output projection rows, MLP in/out, LM head rows), so the graph bu
 not know which checkpoint it reads. Projections come in the checkpoint's own orientation
 (``Linear.out_major``: nn.Linear is [out, in], GPT-2's Conv1D is [in, out]) and the graph
 multiplies with ``Gemm(transB=...)``, so nothing is transposed (copied) at export.
+
+A source that holds some weights already quantized (a GGUF file's Q8_0/Q4_0 tensors) also
+hands out the rank's part of them as blocks (``Linear.blocks``): the quantize pass then
+keeps them instead of rounding the fp32 weight again.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from shardserve.tools.export.hf.config import DecoderConfig
 from shardserve.tools.export.hf.plan import RankPlan
+from shardserve.tools.quantize import QuantizedBlocks
 
-__all__ = ["Linear", "Norm", "TensorSource", "WeightSource", "weight_source"]
+__all__ = [
+    "BlockSource",
+    "Linear",
+    "Norm",
+    "TensorSource",
+    "WeightSource",
+    "stacked_blocks",
+    "weight_source",
+]
 
 
 class TensorSource(Protocol):
@@ -34,11 +47,47 @@ class TensorSource(Protocol):
     ) -> np.ndarray: ...
 
 
+@runtime_checkable
+class BlockSource(Protocol):
+    """A ``TensorSource`` whose tensors may be quantized already: ``name[rows, cols]`` as
+    ``[N, K]`` blocks, or None when it has none that fit."""
+
+    def blocks(
+        self, name: str, rows: slice | None = None, cols: slice | None = None
+    ) -> QuantizedBlocks | None: ...
+
+
+# (Hugging Face name, rows, cols) of the [out, in] weights a fused projection stacks on N
+Part = tuple[str, slice | None, slice | None]
+
+
 @dataclass(frozen=True)
 class Linear:
     weight: np.ndarray
     bias: np.ndarray | None
     out_major: bool
+    blocks: QuantizedBlocks | None = None  # the same weight [N, K], quantized at the source
+
+
+def stacked_blocks(source: TensorSource, parts: list[Part]) -> QuantizedBlocks | None:
+    """The parts' source blocks stacked on N (one Gemm's weight), or None unless every
+    part has blocks of the same format."""
+    if not isinstance(source, BlockSource):
+        return None
+    found = [source.blocks(name, rows, cols) for name, rows, cols in parts]
+    present = [b for b in found if b is not None]
+    formats = {(b.bits, b.block_size, b.k) for b in present}
+    if len(present) < len(found) or len(formats) != 1:
+        return None
+    bits, block_size, k = formats.pop()
+    return QuantizedBlocks(
+        np.concatenate([b.packed for b in present]),
+        np.concatenate([b.scales for b in present]),
+        bits,
+        block_size,
+        k=k,
+        n=sum(b.n for b in present),
+    )
 
 
 @dataclass(frozen=True)
@@ -138,9 +187,9 @@ class Gpt2Weights(WeightSource):
         weight = self.ckpt.read(f"{name}.weight", rows=plan.mlp)
         return Linear(weight, None, out_major=False), self.ckpt.read(f"{name}.bias")
 
-    def lm_head(self, vocab: slice | None) -> np.ndarray:
-        """[vocab rows, hidden]: the tied token embedding."""
-        return self.ckpt.read(f"{self.prefix}wte.weight", rows=vocab)
+    def lm_head(self, vocab: slice | None) -> Linear:
+        """[vocab rows, hidden] (out-major, no bias): the tied token embedding."""
+        return Linear(self.ckpt.read(f"{self.prefix}wte.weight", rows=vocab), None, True)
 
 
 class LlamaWeights(WeightSource):
@@ -195,13 +244,15 @@ class LlamaWeights(WeightSource):
         }
         weight = np.concatenate([self.ckpt.read(f"{b}.{n}.weight", p) for n, p in picks.items()])
         biases = [self.optional(f"{b}.{n}.bias", p) for n, p in picks.items()]
-        bias = _joined(biases)
-        return Linear(weight, bias, out_major=True)
+        parts: list[Part] = [(f"{b}.{n}.weight", p, None) for n, p in picks.items()]
+        return Linear(weight, _joined(biases), True, stacked_blocks(self.ckpt, parts))
 
     def out_proj(self, layer: int, plan: RankPlan) -> tuple[Linear, np.ndarray | None]:
         b = f"model.layers.{layer}.self_attn.o_proj"
-        weight = self.ckpt.read(f"{b}.weight", cols=_heads(plan.q_heads, self.config.head_dim))
-        return Linear(weight, None, out_major=True), self.optional(f"{b}.bias")
+        cols = _heads(plan.q_heads, self.config.head_dim)
+        weight = self.ckpt.read(f"{b}.weight", cols=cols)
+        blocks = stacked_blocks(self.ckpt, [(f"{b}.weight", None, cols)])
+        return Linear(weight, None, True, blocks), self.optional(f"{b}.bias")
 
     def mlp_in(self, layer: int, plan: RankPlan) -> Linear:
         """gate | up side by side (one Gemm, split after)."""
@@ -209,17 +260,20 @@ class LlamaWeights(WeightSource):
         names = ("gate_proj", "up_proj")
         weight = np.concatenate([self.ckpt.read(f"{b}.{n}.weight", plan.mlp) for n in names])
         biases = [self.optional(f"{b}.{n}.bias", plan.mlp) for n in names]
-        bias = _joined(biases)
-        return Linear(weight, bias, out_major=True)
+        parts: list[Part] = [(f"{b}.{n}.weight", plan.mlp, None) for n in names]
+        return Linear(weight, _joined(biases), True, stacked_blocks(self.ckpt, parts))
 
     def mlp_out(self, layer: int, plan: RankPlan) -> tuple[Linear, np.ndarray | None]:
         b = f"model.layers.{layer}.mlp.down_proj"
         weight = self.ckpt.read(f"{b}.weight", cols=plan.mlp)
-        return Linear(weight, None, out_major=True), self.optional(f"{b}.bias")
+        blocks = stacked_blocks(self.ckpt, [(f"{b}.weight", None, plan.mlp)])
+        return Linear(weight, None, True, blocks), self.optional(f"{b}.bias")
 
-    def lm_head(self, vocab: slice | None) -> np.ndarray:
+    def lm_head(self, vocab: slice | None) -> Linear:
+        """[vocab rows, hidden] (out-major, no bias)."""
         name = "model.embed_tokens.weight" if self.config.tied_head else "lm_head.weight"
-        return self.ckpt.read(name, rows=vocab)
+        blocks = stacked_blocks(self.ckpt, [(name, vocab, None)])
+        return Linear(self.ckpt.read(name, rows=vocab), None, True, blocks)
 
 
 def weight_source(checkpoint: TensorSource, config: DecoderConfig) -> Gpt2Weights | LlamaWeights:
