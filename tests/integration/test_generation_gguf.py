@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from shardserve.ops.child_mesh import LocalMesh
+from shardserve.text import TextModel
 from shardserve.tools.export.gguf import export_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,10 +38,17 @@ def smollm2_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def mesh(isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    repo = tmp_path_factory.mktemp("repo")
-    export_gguf(smollm2_file(), repo, rank_size=2, stage_size=2, name="smollm2")
-    export_gguf(FIXTURES / "llama-q4_0.gguf", repo, rank_size=2, name="tiny")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("repo")
+    export_gguf(smollm2_file(), folder, rank_size=2, stage_size=2, name="smollm2")
+    export_gguf(FIXTURES / "llama-q4_0.gguf", folder, rank_size=2, name="tiny")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mesh(
+    repo: Path, isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalMesh]:
     mesh = start_mesh(repo, isolated_amqp_url, tmp_path_factory.mktemp("mesh") / "mesh.log")
     try:
         yield mesh
@@ -63,6 +71,20 @@ def test_real_instruct_model_answers_as_transformers(mesh: LocalMesh) -> None:
             assert reply.usage is not None
             assert reply.usage.prompt_tokens == len(chat["input_ids"])
             assert reply.usage.completion_tokens == len(chat["greedy_ids"])
+
+
+def test_real_model_tokenizer_equals_transformers(repo: Path) -> None:
+    """The tokenizer rebuilt from SmolLM2's GGUF metadata (pre-tokenizer `smollm`: digits
+    one by one, then GPT-2's split) encodes as transformers' GGUF loader does: digits,
+    spaces, newlines and tabs, accents, CJK and emoji."""
+    text = TextModel.load(repo / "smollm2" / "1" / "tokenizer", servable="smollm2")
+    for sample in SMOLLM2["texts"]:
+        assert text.encode(sample["text"]) == sample["ids"], sample["text"]
+    for prompt in SMOLLM2["prompts"]:
+        assert text.encode(prompt["text"]) == prompt["input_ids"]
+        assert text.decode(prompt["greedy_ids"]) == prompt["greedy_text"]
+    for chat in SMOLLM2["chats"]:
+        assert text.encode_chat(chat["messages"]) == chat["input_ids"]
 
 
 def test_tiny_q4_0_llama_chat_continuation_equals_transformers(mesh: LocalMesh) -> None:
