@@ -16,6 +16,8 @@ from shardserve.errors import ExportError
 from shardserve.repo.repository import load_group
 from shardserve.text.tokenizer import TextModel
 from shardserve.tools.export.gguf import default_name, export_gguf
+from shardserve.tools.export.gguf.config import context_limit
+from shardserve.tools.export.gguf.file import GgufFile
 from shardserve.tools.export.gguf.tensors import unpermute_rows
 from shardserve.tools.export.gguf.tokenizer import merges_from_scores
 
@@ -141,3 +143,23 @@ def test_truncated_fixture_is_refused_and_leaves_nothing(tmp_path: Path) -> None
     with pytest.raises(ExportError):
         export_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _with_context(path: Path, context: int, window: int | None) -> GgufFile:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(context)
+    if window is not None:
+        writer.add_sliding_window(window)
+    writer.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GgufFile(path)
+
+
+def test_a_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    """Full attention is exact only inside the window (Mistral v0.1's 4096 of 32768)."""
+    assert context_limit(_with_context(tmp_path / "w.gguf", 32768, 4096), "llama") == 4096
+    assert context_limit(_with_context(tmp_path / "n.gguf", 2048, None), "llama") == 2048
+    assert context_limit(_with_context(tmp_path / "l.gguf", 2048, 4096), "llama") == 2048

@@ -38,7 +38,7 @@ def decoder_config(file: GgufFile) -> DecoderConfig:
         head_dim=file.positive(f"{arch}.attention.key_length", hidden // heads),
         intermediate=file.positive(f"{arch}.feed_forward_length"),
         vocab=_vocab(file, arch),
-        max_positions=file.positive(f"{arch}.context_length"),
+        max_positions=context_limit(file, arch),
         norm_eps=float(file.need(f"{arch}.attention.layer_norm_rms_epsilon")),
         activation="silu",
         tied_head="output.weight" not in file.tensors,
@@ -48,6 +48,16 @@ def decoder_config(file: GgufFile) -> DecoderConfig:
         rope_theta=float(file.get(f"{arch}.rope.freq_base", 10000.0)),
         eos_token_ids=file.eos_ids(),
     )
+
+
+def context_limit(file: GgufFile, arch: str) -> int:
+    """The context limit; a sliding window, when the file states one, caps it, so the
+    full attention we run stays exact (as the HF exporter does for Mistral)."""
+    limit = file.positive(f"{arch}.context_length")
+    window = file.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        return limit
+    return min(limit, file.positive(f"{arch}.attention.sliding_window"))
 
 
 def _class_name(file: GgufFile, arch: str) -> str:
