@@ -78,6 +78,6 @@ def small_thread_stacks(stack_bytes: int = THREAD_STACK_BYTES) -> bool:
         return False
     try:
         sized = libc.pthread_attr_setstacksize(attr, ctypes.c_size_t(stack_bytes)) == 0
-        return sized and set_default(attr) == 0
+        return sized and int(set_default(attr)) == 0
     finally:
         libc.pthread_attr_destroy(attr)

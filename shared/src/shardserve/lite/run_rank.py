@@ -77,9 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_rank(args: argparse.Namespace) -> int:
     """The subcommand: build, predict once, print the outputs."""
+    from shardserve.errors import RepositoryError
     from shardserve.lite import Context, LiteError, Model, PeerFailedError, RendezvousError
     from shardserve.process.lifecycle import setup_logging
-    from shardserve.repo.repository import RepositoryError
 
     setup_logging("run-rank", "WARNING")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -144,4 +144,5 @@ def _attend_one(
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     mixed = np.matmul(scores, values)  # [Hkv, G*n, D]
-    return mixed.reshape(kv_heads, group, n, dim).transpose(2, 0, 1, 3).reshape(n, -1)
+    out: np.ndarray = mixed.reshape(kv_heads, group, n, dim).transpose(2, 0, 1, 3).reshape(n, -1)
+    return out

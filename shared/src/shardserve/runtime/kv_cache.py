@@ -89,7 +89,8 @@ class KVCache:
         slot = self._slot.get(layer)
         if slot is None:
             raise InternalError(f"layer {layer} is not cached here (layers {self.shape.layers})")
-        return self._block(seq_id)[slot]
+        view: np.ndarray = self._block(seq_id)[slot]
+        return view
 
     def _block(self, seq_id: int) -> np.ndarray:
         block = self._blocks.get(seq_id)

@@ -302,7 +302,8 @@ def _to_numpy(value: Any) -> np.ndarray:
     """An output OrtValue as numpy; BF16 is copied out by its bits (``OrtValue.numpy``
     refuses it) into an ml_dtypes.bfloat16 array."""
     if value.data_type() != "tensor(bfloat16)":
-        return value.numpy()
+        array: np.ndarray = value.numpy()
+        return array
     from shardserve.wire.tensors import numpy_dtype  # imports ml_dtypes only when needed
 
     shape = tuple(value.shape())

@@ -199,7 +199,8 @@ def _pool_holding_top(values: npt.NDArray[np.floating], count: int) -> IdArray:
 def _log_softmax(logits: npt.NDArray[np.float32]) -> FloatRow:
     row = logits.astype(np.float64)
     shifted = row - row.max()
-    return shifted - np.log(np.exp(shifted).sum())
+    logprobs: FloatRow = shifted - np.log(np.exp(shifted).sum())
+    return logprobs
 
 
 def _logprobs(logits: npt.NDArray[np.float32], token: int, count: int) -> TokenLogprob:

@@ -53,7 +53,8 @@ def _refuse_ext(code: int, data: bytes) -> Any:
 
 def encode(message: BaseModel) -> bytes:
     """Return the msgpack bytes of a wire message."""
-    return msgpack.packb(_to_plain(message), use_bin_type=True)
+    packed: bytes = msgpack.packb(_to_plain(message), use_bin_type=True)
+    return packed
 
 
 # From this size a byte string (tensor data) is spliced into the encoding rather than

@@ -53,7 +53,8 @@ def numpy_dtype(dtype: str) -> np.dtype:
         import ml_dtypes
     except ImportError:
         raise BadInputError("BF16 needs the ml_dtypes package") from None
-    return np.dtype(ml_dtypes.bfloat16)
+    bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
 
 
 def dtype_itemsize(dtype: str) -> int:

@@ -92,7 +92,8 @@ def dequantize(q: QuantizedBlocks) -> np.ndarray:
     zero = 1 << (q.bits - 1)
     codes = _unpack(q.packed, q.bits).astype(np.float32) - np.float32(zero)
     scales = q.scales.reshape(q.n, -1, 1)
-    return (codes * scales).reshape(q.n, -1)[:, : q.k]
+    weight: np.ndarray = (codes * scales).reshape(q.n, -1)[:, : q.k]
+    return weight
 
 
 def _as_blocks(weight: np.ndarray, block_size: int) -> np.ndarray:

@@ -41,7 +41,8 @@ class NBitsBlocks:
         codes = _unpack(self.packed) if self.bits == 4 else self.packed.astype(np.float32)
         n, blocks = self.packed.shape[:2]
         scales = self.scales.reshape(n, blocks, 1)
-        return (scales * (codes - 2 ** (self.bits - 1))).reshape(n, blocks * BLOCK)
+        weight: np.ndarray = (scales * (codes - 2 ** (self.bits - 1))).reshape(n, blocks * BLOCK)
+        return weight
 
 
 def exact_blocks(kind: GGMLQuantizationType, data: np.ndarray, n: int, k: int) -> NBitsBlocks:
