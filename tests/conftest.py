@@ -29,6 +29,29 @@ from shardserve.process.settings import AMQP_URL_ENV
 os.environ.setdefault("SHARDSERVE_GATEWAY_GRPC_PORT", "0")
 
 
+# Per-test time limits (pytest-timeout), set here by kind rather than written in modules.
+# A unit test is pure and done in seconds. An integration test starts processes, and its
+# module's mesh starts inside the first test's limit. A heavy one (marked) exports or
+# quantizes a model, or generates at length. Generous for CI, which shares two cores.
+UNIT_TIMEOUT_S = 30
+INTEGRATION_TIMEOUT_S = 300
+HEAVY_TIMEOUT_S = 900
+INTEGRATION_DIR = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.timeout(_time_limit_s(item)))
+
+
+def _time_limit_s(item: pytest.Item) -> int:
+    if item.get_closest_marker("heavy") is not None:
+        return HEAVY_TIMEOUT_S
+    if item.path.is_relative_to(INTEGRATION_DIR):
+        return INTEGRATION_TIMEOUT_S
+    return UNIT_TIMEOUT_S
+
+
 def _broker_reachable(url: str) -> bool:
     parts = urlsplit(url)
     try:

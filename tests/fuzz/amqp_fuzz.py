@@ -153,8 +153,11 @@ async def _publish(
     tally.target_of[message_id] = queue.role
 
 
-async def collect_dead_letters(amqp_url: str, tally: AmqpTally, stop: asyncio.Event) -> None:
-    """Take this run's messages off the dead-letter queue until ``stop`` is set."""
+async def collect_dead_letters(
+    amqp_url: str, tally: AmqpTally, consuming: asyncio.Event, stop: asyncio.Event
+) -> None:
+    """Take this run's messages off the dead-letter queue (``consuming`` set once it does)
+    until ``stop`` is set."""
     connection = await aio_pika.connect(amqp_url)
     async with connection:
         channel = await connection.channel()
@@ -167,6 +170,7 @@ async def collect_dead_letters(amqp_url: str, tally: AmqpTally, stop: asyncio.Ev
             await message.ack()
 
         tag = await queue.consume(on_message)
+        consuming.set()
         await stop.wait()
         await queue.cancel(tag)
 
@@ -194,9 +198,9 @@ async def run_amqp_fuzz(
     queues = [q for q in consumer_queues(vhost) if q.role in wanted]
     for role in sorted(wanted - {q.role for q in queues}):
         tally.problems.append(f"no consumed queue of role {role}")
-    stop = asyncio.Event()
-    collector = asyncio.create_task(collect_dead_letters(amqp_url, tally, stop))
-    await asyncio.sleep(0.5)  # the collector is consuming before the first dead letter
+    consuming, stop = asyncio.Event(), asyncio.Event()
+    collector = asyncio.create_task(collect_dead_letters(amqp_url, tally, consuming, stop))
+    await asyncio.wait_for(consuming.wait(), 60)  # before the first dead letter
     await publish_all(amqp_url, queues, messages, tally)
     await wait_for(lambda: tally.missing_dead == 0, settle_s)
     stop.set()

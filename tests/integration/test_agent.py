@@ -41,7 +41,7 @@ from shardserve.wire.topology import (
     stage_key,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.integration
 
 AGENT_SRC = Path(__file__).resolve().parents[2] / "services" / "agent" / "src"
 
@@ -104,6 +104,20 @@ class FakeScheduler(SchedulerSide):
         )
         await self.broker.publish(STAGE_EXCHANGE, stage_key(self.servable, 1, 0), work)
         return work
+
+    async def beat(self, rank: int, state: str, inflight: int) -> AgentHeartbeat:
+        """The next heartbeat of ``rank`` in this state with this many jobs in flight."""
+        async with asyncio.timeout(WAIT):
+            while True:
+                beat: AgentHeartbeat = await self.next(AgentHeartbeat, rank)
+                if (beat.state, beat.inflight) == (state, inflight):
+                    return beat
+
+    async def waiting_for_peers(self, rank: int) -> None:
+        """Until ``rank`` has a job in flight across two heartbeats: past its (tiny) compute,
+        waiting for a peer's part that only the test can send."""
+        await self.beat(rank, "ready", 1)
+        await self.beat(rank, "ready", 1)
 
     async def collect(self, count: int) -> dict[int, StageResult]:
         found: dict[int, StageResult] = {}
@@ -248,7 +262,7 @@ async def test_job_cancel_aborts_a_waiting_job(scheduler: FakeScheduler, agents:
     agent = agents.start(0, "--no-cache")
     await scheduler.register(0)
     await scheduler.send_work("doomed", deadline_s=30.0)
-    await asyncio.sleep(0.5)  # let it reach the collective wait
+    await scheduler.waiting_for_peers(0)
     cancel = JobCancel(job="doomed", servable=scheduler.servable, version=1, reason="rank 1 lost")
     await scheduler.broker.publish(CONTROL_EXCHANGE, group_key(scheduler.servable, 1), cancel)
     agent.proc.send_signal(signal.SIGTERM)  # drain must not wait 30 s for the dead job
@@ -269,10 +283,10 @@ async def test_sigterm_finishes_the_job_in_flight(scheduler: FakeScheduler, agen
     agent = agents.start(0, "--no-cache")
     await scheduler.register(0)
     await scheduler.send_work("in-flight", deadline_s=30.0)
-    await asyncio.sleep(0.5)  # rank 0 now waits for rank 1's part
+    await scheduler.waiting_for_peers(0)
     agent.proc.send_signal(signal.SIGTERM)
-    await asyncio.sleep(0.3)
-    assert agent.proc.poll() is None, agent.text()  # still draining: the job is in flight
+    await scheduler.beat(0, "draining", 1)  # draining, the job still in flight
+    assert agent.proc.poll() is None, agent.text()
     part = CollectivePart(
         job="in-flight",
         stage=0,

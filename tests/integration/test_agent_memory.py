@@ -39,7 +39,7 @@ from shardserve.tools.slicing import slice_pipeline
 from shardserve_agent.settings import AgentSettings
 from shardserve_agent.slice_loader import LoadedSlice, load_slice
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.integration
 
 AGENT_SRC = Path(__file__).resolve().parents[2] / "services" / "agent" / "src"
 X = np.ones((128, 96), dtype=np.float32)

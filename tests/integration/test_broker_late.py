@@ -35,7 +35,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from loadcheck import all_close, infer_body  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 WAIT_FIRST_S = 3.0  # how long the services wait for the absent broker before it starts
 # A shorter cap than the default 5 s keeps the test quick; the path is the same.

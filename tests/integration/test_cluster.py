@@ -17,7 +17,7 @@ import pytest
 
 from shardserve.ops.rabbitnode import port_pair_free
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "rabbit-cluster"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,10 @@ from shardserve.ops.child_mesh import LocalMesh, isolated_vhost
 from shardserve.tools.export.hf import export_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation_http import FIXTURE, REFERENCE, idle, start_mesh, wait_for
+from conditions import beaten_since, wait_until
+from generation_http import FIXTURE, REFERENCE, idle, start_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 SERVABLES = ("llama_tp1", "llama_tp2")
 PROMPTS = REFERENCE["prompts"]
@@ -103,10 +103,15 @@ async def seeded_texts(mesh: LocalMesh) -> Texts:
 
 
 def steps_done(mesh: LocalMesh, servable: str) -> int:
-    """StepWorks the servable's first rank has run so far, once nothing runs (after a
-    second: the status must be newer than the last step, not one from before it)."""
-    time.sleep(1.0)  # heartbeats and status every 0.2 s
-    assert wait_for(lambda: idle(mesh, servable), 15.0), "the servable never went idle"
+    """StepWorks the servable's first rank has run so far, once nothing runs (in a status
+    with heartbeats newer than the last step, not one from before it)."""
+    since = mesh.status()["time"]
+
+    def settled() -> dict[str, Any] | None:
+        status: dict[str, Any] = mesh.status()
+        return status if beaten_since(status, servable, since) and idle(mesh, servable) else None
+
+    wait_until("the servable idle, in a later heartbeat", settled, 30.0)
     return int(mesh.ranks(servable)[0]["jobs_done"])
 
 

@@ -92,8 +92,13 @@ async def test_chunks_come_back_in_order_over_the_broker(
     sent, reply_to, correlation_id = scheduler.requests.get_nowait()
     assert reply_to == f"shardserve.reply.gw-{servable}" and len(correlation_id) == 32
     assert sent.prompt == "x"
-    await asyncio.sleep(0.2)
-    assert scheduler.cancels.empty()  # ended by the scheduler: nothing to cancel
+    # Ended by the scheduler: nothing to cancel. A second stream left early is the barrier:
+    # the first cancel to come must be its own (one gateway channel, one queue: in order).
+    async with dispatcher.generate(request(servable)) as stream:
+        await anext(stream)
+    cancel = await asyncio.wait_for(scheduler.cancels.get(), 10)
+    _, _, second = scheduler.requests.get_nowait()
+    assert cancel.correlation_id == second
     await dispatcher.close()
 
 

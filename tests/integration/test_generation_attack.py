@@ -26,7 +26,7 @@ from shardserve.tools.export.hf import export_hf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import FIXTURE, REFERENCE, sse_events, start_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 SERVABLE = "llama_tp2"
 PROMPTS = REFERENCE["prompts"]

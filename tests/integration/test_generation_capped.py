@@ -44,7 +44,7 @@ from generation_http import (
     write_llama_checkpoint,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 SERVABLE = "big"
 RANKS = 4
@@ -201,7 +201,7 @@ async def test_weights_larger_than_one_agents_cap_generate_across_capped_agents(
     )
 
 
-@pytest.mark.timeout(600)  # quantizing 790 MiB twice (export, numpy reference) on 2 cores
+@pytest.mark.heavy  # quantizing 790 MiB twice (export, numpy reference) on 2 cores
 async def test_int4_slices_generate_on_agents_capped_below_a_ranks_fp32_share(
     int4_mesh: LocalMesh, checkpoint: Path
 ) -> None:

@@ -44,7 +44,7 @@ from generation_http import (
 )
 from loadcheck import all_close, infer_body, one_request
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 LLAMA = "llama_tp2"
 MATMUL = "matmul"

@@ -22,7 +22,7 @@ from shardserve.tools.export.gguf import export_gguf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import start_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf"
 SMOLLM2 = json.loads((FIXTURES / "smollm2.json").read_text())

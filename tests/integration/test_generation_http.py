@@ -34,7 +34,7 @@ from generation_http import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 SERVABLES = ("llama_tp2", "llama_pp2")
 PROMPTS = REFERENCE["prompts"]

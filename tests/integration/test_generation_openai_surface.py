@@ -27,7 +27,7 @@ from shardserve.text.tokenizer import TextModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import FIXTURE, REFERENCE, layouts_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 SERVABLES = ("llama_tp2", "llama_pp2")
 PROMPT = REFERENCE["prompts"][1]  # its greedy continuation repeats tokens

@@ -24,7 +24,7 @@ from shardserve.tools.quantize import QuantizeSpec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import FIXTURE, start_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 BLOCK = 16
 # servable -> (precision, accuracy_level, ranks, stages)

@@ -21,7 +21,7 @@ from shardserve.tools.export.hf import export_hf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import FIXTURE, REFERENCE, start_mesh
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 PROMPTS: list[dict[str, Any]] = REFERENCE["prompts"]
 SERVABLE = "llama"

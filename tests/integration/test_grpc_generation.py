@@ -31,7 +31,7 @@ from generation_http import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 SERVABLE = "llama_tp2"
 LONG_TOKENS = 100  # the fixture's context is 128 tokens

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conditions import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -89,25 +90,39 @@ def test_generated_request_id_is_returned(mesh: Mesh) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", headers["X-Request-Id"])
 
 
-def test_metrics_cover_the_whole_mesh(mesh: Mesh) -> None:
-    infer(mesh)
-    time.sleep(1.5)  # the scheduler broadcasts its counters once a second
-    status, content_type, text = fetch_text(mesh, "/metrics")
-    assert status == 200 and content_type.startswith("text/plain")
-    rank0 = 'servable="matmul",version="1",rank="0",stage="0"'
+RANK0 = 'servable="matmul",version="1",rank="0",stage="0"'
+RANK_METRICS = tuple(
+    f"{name}{{{RANK0}}}"
     for name in (
         "shardserve_rank_compute_seconds_total",
         "shardserve_rank_collective_seconds_total",
         "shardserve_rank_jobs_done_total",
         "shardserve_rank_rss_bytes",
         "shardserve_rank_heartbeat_age_seconds",
-    ):
-        assert f"{name}{{{rank0}}}" in text, name
-    assert 'shardserve_rank_up{servable="matmul",version="1",rank="1",stage="0"} 1' in text
-    requests_total = re.search(
+    )
+)
+
+
+def requests_counted(text: str) -> int:
+    found = re.search(
         r'^shardserve_servable_requests_total\{servable="matmul",version="1"\} (\d+)$', text, re.M
     )
-    assert requests_total is not None and int(requests_total.group(1)) >= 1
+    return int(found.group(1)) if found else 0
+
+
+def test_metrics_cover_the_whole_mesh(mesh: Mesh) -> None:
+    infer(mesh)
+    status, content_type, _ = fetch_text(mesh, "/metrics")
+    assert status == 200 and content_type.startswith("text/plain")
+
+    def counted() -> str | None:  # the scheduler broadcasts its counters once a second
+        text = fetch_text(mesh, "/metrics")[2]
+        return text if requests_counted(text) >= 1 else None
+
+    text = wait_until("the request in the broadcast counters", counted)
+    for metric in RANK_METRICS:
+        assert metric in text, metric
+    assert 'shardserve_rank_up{servable="matmul",version="1",rank="1",stage="0"} 1' in text
     assert re.search(r"^shardserve_request_queue_depth \d+$", text, re.M)
     assert 'shardserve_gateway_requests_total{servable="matmul",method="predict",status="200"}' in (
         text
@@ -121,10 +136,12 @@ def test_status_page_timeseries_and_openapi(mesh: Mesh, tmp_path: Path) -> None:
     assert status == 200 and content_type.startswith("text/html")
     assert "<svg" in page and "/api/timeseries" in page
     assert not re.search(r"""(src|href)=["']https?://""", page)  # self-contained
-    time.sleep(1.1)  # the current second is not reported until it is over
-    _, _, raw = fetch_text(mesh, "/api/timeseries?last=30")
-    points = json.loads(raw)["points"]
-    assert sum(p["requests"] for p in points) >= 5
+
+    def reported() -> list[Any] | None:  # a second is reported once it is over
+        points: list[Any] = json.loads(fetch_text(mesh, "/api/timeseries?last=30")[2])["points"]
+        return points if sum(p["requests"] for p in points) >= 5 else None
+
+    points = wait_until("the 5 requests in the time series", reported)
     assert any(p["p99_ms"] is not None and p["p99_ms"] >= p["p50_ms"] for p in points)
     _, _, spec = fetch_text(mesh, "/openapi.json")
     assert "/v2/repository/index" in json.loads(spec)["paths"]

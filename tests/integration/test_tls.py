@@ -33,7 +33,7 @@ import pytest
 from shardserve.ops import rabbitnode
 from shardserve.ops.rabbitnode import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"

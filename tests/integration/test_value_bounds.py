@@ -15,6 +15,7 @@ from typing import Any
 import aio_pika
 import numpy as np
 import pytest
+from conditions import beaten_since, wait_until
 from queue_roundtrip import roundtrip
 
 from shardserve.errors import ErrorCode
@@ -59,10 +60,11 @@ def post(mesh: Any, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any
         return exc.code, json.loads(exc.read())
 
 
-def mesh_counts(mesh: Any) -> tuple[int, int]:
+def mesh_counts(mesh: Any, status: dict[str, Any] | None = None) -> tuple[int, int]:
     """(requests the scheduler accepted, stage jobs the agents finished) for the transformer,
     from the latest MeshStatus: what reached the mesh, whatever the gateway did."""
-    (servable,) = [s for s in mesh.status()["servables"] if s["name"] == "transformer"]
+    status = mesh.status() if status is None else status
+    (servable,) = [s for s in status["servables"] if s["name"] == "transformer"]
     return servable["requests_total"], sum(rank["jobs_done"] for rank in servable["ranks"])
 
 
@@ -111,8 +113,14 @@ def test_bad_values_never_reach_the_agents(mesh: Any) -> None:
     assert logits["name"] == "logits" and logits["shape"] == [1, MAX_SEQ, VOCAB]
     expected = (requests + 1, jobs + 2)
     assert wait_for_counts(mesh, expected) == expected
-    time.sleep(1.5)  # a later status and heartbeat: nothing else trickles in
-    assert mesh_counts(mesh) == expected
+    # a later heartbeat of every rank, in a later status: nothing else trickles in
+    since = mesh.status()["time"]
+
+    def later() -> dict[str, Any] | None:
+        status: dict[str, Any] = mesh.status()
+        return status if beaten_since(status, "transformer", since) else None
+
+    assert mesh_counts(mesh, wait_until("a later heartbeat of every rank", later)) == expected
 
 
 def test_status_carries_the_bounds_and_metadata_keeps_its_shape(mesh: Any) -> None:

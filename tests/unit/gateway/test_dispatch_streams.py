@@ -119,7 +119,7 @@ async def test_lost_scheduler_or_broker_fails_open_streams_at_once(
     dispatcher.scheduler_seen("sched-a")
     async with dispatcher.generate(generate_request()) as stream:
         reading = asyncio.create_task(read_all(stream))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # one turn of the loop: the reader now waits on the stream
         if fault == "scheduler":
             dispatcher.scheduler_seen("sched-b")
         else:
