@@ -26,14 +26,14 @@ def test_a_bug_admitting_a_request_answers_it_with_an_internal_error(
         def broken(*_: Any) -> Any:
             raise KeyError("boom")
 
-        monkeypatch.setattr(service, "_admit", broken)
+        monkeypatch.setattr(service.intake, "resolve_and_admit", broken)
         request = InferRequest(
             id="r-1",
             servable="matmul",
             instances=({"x": Tensor.from_numpy(np.ones((1, 3), np.float32))},),
             deadline=time.time() + 30,
         )
-        (reply,) = service._admit_or_fail(request, "reply.q", "c-1")
+        (reply,) = service.intake.admit_or_fail(request, "reply.q", "c-1")
     finally:
         service._pool.shutdown()
     assert isinstance(reply, Reply)

@@ -39,8 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
-from shardserve.errors import ErrorCode, InferenceError, UnavailableError
-from shardserve.process.lifecycle import request_id_var
+from shardserve.errors import InferenceError
 from shardserve.wire import topology
 from shardserve.wire.protocol import (
     AgentBye,
@@ -57,20 +56,18 @@ from shardserve.wire.protocol import (
     StageResult,
     StepResult,
 )
-from shardserve_scheduler.arrival_order import ArrivalOrder
-from shardserve_scheduler.core.actions import Action, RunPython, bug_message, error_reply
+from shardserve_scheduler.core.actions import Action, RunPython
 from shardserve_scheduler.core.catalog import Catalog, load_catalog, log_catalog
 from shardserve_scheduler.core.generation.machine import GenerationMachine
-from shardserve_scheduler.core.generation.resolve import Target, place_generation, prompt_ids
 from shardserve_scheduler.core.generation.sequences import Origin
 from shardserve_scheduler.core.generation.state import Limits
 from shardserve_scheduler.core.generation.texts import TextModels
 from shardserve_scheduler.core.pystages import run_python_task
 from shardserve_scheduler.core.registry import Registry
 from shardserve_scheduler.core.requests import RequestMachine
-from shardserve_scheduler.core.resolve import resolve
 from shardserve_scheduler.core.status import mesh_status
 from shardserve_scheduler.inbox import unbind_other_request_queue
+from shardserve_scheduler.intake import SHUTDOWN_MESSAGE, RequestIntake
 from shardserve_scheduler.leadership import Leadership
 from shardserve_scheduler.repository_changes import RepositoryChanges
 from shardserve_scheduler.sender import ActionSender, CancelConsumer, SendVerdict
@@ -82,7 +79,6 @@ TICK_SECONDS = 0.1
 REQUEST_PREFETCH = 256
 CONTROL_PREFETCH = 256
 RESULT_PREFETCH = 1024
-SHUTDOWN_MESSAGE = "scheduler shutting down"
 
 
 class SchedulerService:
@@ -124,7 +120,6 @@ class SchedulerService:
         self._python_runs: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()  # a batch became due sooner than the next tick
         self.broker = Broker(settings.broker, f"scheduler-{settings.scheduler_id}")
-        self.refused_requests = 0
         self.dead_lettered_requests = 0
         self._status_changed = asyncio.Event()
         self._idle = asyncio.Event()  # set while no request is open (for the drain)
@@ -132,17 +127,24 @@ class SchedulerService:
         self._readiness = self.registry.readiness()
         self._request_consumer = ""
         self._request_queue = topology.request_queue_name(settings.request_queue)
-        self._closing = False
         self.leadership = Leadership(
             self.broker, settings.scheduler_id, self._become_active, self._step_down
         )
-        self._generation_order = ArrivalOrder()
         self.sender = ActionSender(
             self.broker,
             publish_failed=self._publish_failed,
             stream_gone=self._stream_gone,
             start_python=self._start_python,
             is_active=lambda: self.active,
+        )
+        self.intake = RequestIntake(
+            self.catalog,
+            self.registry,
+            self.texts,
+            self.machine,
+            self.generation,
+            clock=clock,
+            emit=self._emit,
         )
         self.changes = RepositoryChanges(
             settings.repository,
@@ -259,7 +261,7 @@ class SchedulerService:
         )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), self.settings.drain_seconds)
-        self._closing = True
+        self.intake.closing = True
         self._emit(self.machine.shutdown(SHUTDOWN_MESSAGE, self.clock()))
         self._emit(self.generation.shutdown(SHUTDOWN_MESSAGE, self.clock()))
 
@@ -271,109 +273,21 @@ class SchedulerService:
         if isinstance(message, InferRequestBundle) and reply_to:
             self.sender.bundles_understood_by(reply_to)
             for item in message.requests:
-                actions += self._admit_one(item.request, reply_to, item.correlation_id)
+                actions += self.intake.admit(item.request, reply_to, item.correlation_id)
         elif isinstance(message, InferRequest) and reply_to:
-            actions = self._admit_one(message, reply_to, incoming.correlation_id or message.id)
+            actions = self.intake.admit(message, reply_to, incoming.correlation_id or message.id)
         elif isinstance(message, GenerateRequest) and reply_to:
             origin = Origin(message, reply_to, incoming.correlation_id or message.id)
-            await self._generate(origin)
+            await self.intake.generate(origin)
             return
         elif isinstance(message, GenerateCancel):
-            await self._cancel_generation(message)
+            await self.intake.cancel(message)
             return
         else:
             await self._dead_letter_request(message, incoming)
             return
         # Settled once per message, after all its requests: a bundle's requests share jobs.
         self._emit([*actions, *self.machine.settle(self.clock())])
-
-    def _admit_one(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:
-        token = request_id_var.set(request.id)
-        try:
-            return self._admit_or_fail(request, reply_to, correlation_id)
-        finally:
-            request_id_var.reset(token)
-
-    def _admit_or_fail(
-        self, request: InferRequest, reply_to: str, correlation_id: str
-    ) -> list[Action]:
-        """``_admit``, or an INTERNAL error for this request alone if it raised (a bug before
-        the core registered the request; after, the core answers it itself), so the rest
-        of its bundle is still admitted."""
-        try:
-            return self._admit(request, reply_to, correlation_id)
-        except Exception as exc:
-            _logger.exception("could not admit the request")
-            message = bug_message("while admitting the request", exc)
-            return [error_reply(request, reply_to, correlation_id, ErrorCode.INTERNAL, message)]
-
-    def _admit(self, request: InferRequest, reply_to: str, correlation_id: str) -> list[Action]:
-        if self._closing:
-            return [
-                error_reply(
-                    request, reply_to, correlation_id, ErrorCode.UNAVAILABLE, SHUTDOWN_MESSAGE
-                )
-            ]
-        try:
-            call = resolve(self.catalog, self.registry, request, reply_to, correlation_id)
-        except InferenceError as exc:
-            self.refused_requests += 1
-            _logger.info("request refused (%s): %s", exc.code.value, exc.message)
-            return [error_reply(request, reply_to, correlation_id, exc.code, exc.message)]
-        return self.machine.admit(call, self.clock())
-
-    async def _generate(self, origin: Origin) -> None:
-        """A GenerateRequest: placed here, tokenized in a worker thread (never on this
-        loop, which carries heartbeats and steps), then the generation machine's, in
-        arrival order with the other requests and cancels."""
-        ticket = self._generation_order.ticket()
-        try:
-            prepared = await self._tokenized(origin)
-            await ticket.turn()
-            self._emit(self._admit_generation(origin, prepared))
-        finally:
-            ticket.done()
-
-    async def _cancel_generation(self, cancel: GenerateCancel) -> None:
-        ticket = self._generation_order.ticket()
-        try:
-            await ticket.turn()
-            now = self.clock()
-            self._emit(self.generation.on_cancel(cancel.reply_to, cancel.correlation_id, now))
-        finally:
-            ticket.done()
-
-    async def _tokenized(self, origin: Origin) -> Target | InferenceError:
-        """The request's Target, or the error that refuses it."""
-        request = origin.request
-        try:
-            placed = place_generation(self.catalog, self.registry, self.texts, request)
-            ids = await asyncio.to_thread(prompt_ids, placed.text, request)
-        except InferenceError as exc:
-            return exc
-        except Exception as exc:  # a bug: this stream ends with it instead of hanging
-            _logger.exception("could not tokenize the prompt")
-            return InferenceError(bug_message("while tokenizing the prompt", exc))
-        return Target(placed.group, placed.text, ids, placed.max_positions)
-
-    def _admit_generation(self, origin: Origin, prepared: Target | InferenceError) -> list[Action]:
-        token = request_id_var.set(origin.request.id)
-        try:
-            if self._closing:
-                raise UnavailableError(SHUTDOWN_MESSAGE)
-            if isinstance(prepared, InferenceError):
-                raise prepared
-            return self.generation.on_generate(origin, prepared, self.clock())
-        except InferenceError as exc:
-            self.refused_requests += 1
-            _logger.info("generation refused (%s): %s", exc.code.value, exc.message)
-            return self.generation.refuse(origin, exc)
-        except Exception as exc:  # a bug: this stream ends with it instead of hanging
-            _logger.exception("could not admit the generation")
-            error = InferenceError(bug_message("while admitting the generation", exc))
-            return self.generation.refuse(origin, error)
-        finally:
-            request_id_var.reset(token)
 
     async def _dead_letter_request(
         self, message: Message, incoming: AbstractIncomingMessage
@@ -550,7 +464,7 @@ class SchedulerService:
         self._emit(self.generation.on_stream_gone(reply_to, correlation_id, why, self.clock()))
 
     def _start_python(self, action: RunPython) -> None:
-        if self._tasks is None or self._closing:
+        if self._tasks is None or self.intake.closing:
             return  # stopping: the machine has already answered every request
         run = self._tasks.create_task(self._run_python(action), name=f"py-{action.task.id}")
         self._python_runs.add(run)

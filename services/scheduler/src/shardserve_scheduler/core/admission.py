@@ -9,36 +9,46 @@ from __future__ import annotations
 
 from shardserve.errors import ErrorCode
 from shardserve_scheduler.core.actions import Action, Reply, bug_log, bug_message, error_reply
-from shardserve_scheduler.core.jobs import Call, InstanceState, Lane, RequestState
+from shardserve_scheduler.core.jobs import Call, Counters, InstanceState, Lane, RequestState
 from shardserve_scheduler.core.lanes import Lanes
-from shardserve_scheduler.core.machine_state import MachineState
+from shardserve_scheduler.core.open_requests import OpenRequests
 from shardserve_scheduler.core.progress import Progress
 from shardserve_scheduler.core.replies import Replies
+from shardserve_scheduler.core.request_limits import RequestLimits
+from shardserve_scheduler.core.statistics import Statistics
 
 
 class Admission:
     """Admits requests: each instance starts its first step, or the request is refused."""
 
     def __init__(
-        self, state: MachineState, lanes: Lanes, replies: Replies, progress: Progress
+        self,
+        limits: RequestLimits,
+        counters: Counters,
+        statistics: Statistics,
+        requests: OpenRequests,
+        lanes: Lanes,
+        replies: Replies,
+        progress: Progress,
     ) -> None:
-        self._state = state
+        self._limits = limits
+        self._counters = counters
+        self._statistics = statistics
+        self._requests = requests
         self._lanes = lanes
         self._replies = replies
         self._progress = progress
 
     def admit(self, call: Call, now: float) -> list[Action]:
         """The request's instances start their first step, or its one refusal."""
-        stats = self._state.stats_of(call.lane_key)
-        stats.requests_total += 1
+        self._statistics.request(call.lane_key)
         refusal = self._refusal(call, now)
         if refusal is not None:
-            stats.errors_total += 1
+            self._statistics.error(call.lane_key)
             return [self._replies.count_reply(refusal)]
-        self._state.counters.accepted += 1
+        self._counters.accepted += 1
         instances = [InstanceState(call.method.start_env(i)) for i in call.request.instances]
-        state = RequestState(self._state.new_id("r"), call, now, instances)
-        self._state.requests[state.key] = state
+        state = self._requests.open(call, now, instances)
         actions: list[Action] = []
         try:
             for index in range(len(instances)):
@@ -55,10 +65,10 @@ class Admission:
             message = "deadline already passed when the scheduler received the request"
         else:
             lane = self._lanes.for_call(call)
-            limits = self._state.max_inflight + self._state.max_queued
+            limits = self._limits.max_inflight + self._limits.max_queued
             room = limits - len(lane.inflight) - lane.waiting
             if len(request.instances) > room:
-                self._state.counters.overloaded += 1
+                self._counters.overloaded += 1
                 code = ErrorCode.OVERLOADED
                 message = self._overload_message(call, lane)
         if code is None:
@@ -72,11 +82,11 @@ class Admission:
         # so a batching servable can be full with few jobs: the message says which.
         batching = len(lane.batcher) if lane.batcher is not None else 0
         held = f", {batching} instance(s) being batched" if batching else ""
-        limit = self._state.max_inflight
+        limit = self._limits.max_inflight
         return (
             f"servable {call.request.servable} is overloaded: {len(lane.inflight)} jobs in "
             f"flight, {len(lane.queued)} queued{held} (at most {limit} in flight "
-            f"and {self._state.max_queued} waiting: --max-inflight {limit})"
+            f"and {self._limits.max_queued} waiting: --max-inflight {limit})"
         )
 
     def _fail_after_bug(self, state: RequestState, exc: Exception, now: float) -> list[Action]:
@@ -85,7 +95,7 @@ class Admission:
         logged."""
         message = bug_message("while admitting the request", exc)
         log = bug_log(message, state.call.request.id)
-        if state.key not in self._state.requests:  # it already had its one outcome
+        if not self._requests.is_open(state):  # it already had its one outcome
             return [log]
         try:
             return [log, *self._replies.fail_request(state, ErrorCode.INTERNAL, message, now)]

@@ -16,10 +16,10 @@ from shardserve.wire.tensors import digest_mismatch, digest_tensors
 from shardserve_scheduler.core import batching
 from shardserve_scheduler.core.actions import Action, Log, bug_log, bug_message
 from shardserve_scheduler.core.batching import Member
-from shardserve_scheduler.core.jobs import Job, digest_disagreement
+from shardserve_scheduler.core.jobs import Counters, Job, digest_disagreement
 from shardserve_scheduler.core.lanes import Lanes
-from shardserve_scheduler.core.machine_state import MachineState
 from shardserve_scheduler.core.methods import ModelStep
+from shardserve_scheduler.core.open_requests import OpenRequests
 from shardserve_scheduler.core.progress import Progress
 from shardserve_scheduler.core.replies import Replies
 
@@ -28,9 +28,15 @@ class JobOutcomes:
     """Rank results recorded, stage completion, job end, job failure."""
 
     def __init__(
-        self, state: MachineState, lanes: Lanes, replies: Replies, progress: Progress
+        self,
+        counters: Counters,
+        requests: OpenRequests,
+        lanes: Lanes,
+        replies: Replies,
+        progress: Progress,
     ) -> None:
-        self._state = state
+        self._counters = counters
+        self._requests = requests
         self._lanes = lanes
         self._replies = replies
         self._progress = progress
@@ -38,8 +44,8 @@ class JobOutcomes:
     def record(self, result: StageResult, now: float) -> Job | list[Action]:
         """The job a rank's result is recorded for; or, for a late, stray or repeated
         result (not recorded), the actions that say so."""
-        job = self._state.jobs.get(result.job)
-        counters = self._state.counters
+        job = self._lanes.job(result.job)
+        counters = self._counters
         if job is None or result.stage != job.stage:
             counters.late_results += 1
             return []
@@ -79,7 +85,7 @@ class JobOutcomes:
     def fail_job(self, job: Job, code: ErrorCode, message: str, now: float) -> list[Action]:
         """A job ends in error: fail every instance it serves, and cancel it on its ranks."""
         actions = self._fail_members(job, code, message, now)
-        if job.id in self._state.jobs:
+        if self._lanes.job(job.id) is not None:
             actions += self._lanes.drop_job(job, message, now)
         return actions
 
@@ -92,7 +98,7 @@ class JobOutcomes:
         except Exception:  # failing it the regular way raised too
             actions: list[Action] = [bug_log(message)]
             for key in dict.fromkeys(k for k, *_ in job.members):
-                state = self._state.requests.get(key)
+                state = self._requests.get(key)
                 if state is not None:
                     actions += self._replies.abandon(state, message)
             return actions
@@ -117,7 +123,7 @@ class JobOutcomes:
         try:
             return self._member_done(member, outputs, now)
         except Exception as exc:
-            state = self._state.requests.get(member[0])
+            state = self._requests.get(member[0])
             doing = f"handling a result of job {job.id}"
             if state is None:
                 return [bug_log(bug_message(doing, exc))]
@@ -125,7 +131,7 @@ class JobOutcomes:
 
     def _member_done(self, member: Member, outputs: TensorMap, now: float) -> list[Action]:
         key, index, chunk, position = member
-        state = self._state.alive(key, index, position)
+        state = self._requests.alive(key, index, position)
         if state is None:
             return []
         plan, instance = state.call.method, state.instances[index]
@@ -147,7 +153,7 @@ class JobOutcomes:
     def _fail_members(self, job: Job, code: ErrorCode, message: str, now: float) -> list[Action]:
         actions: list[Action] = []
         for key, index, _, position in dict.fromkeys(job.members):
-            state = self._state.alive(key, index, position)
+            state = self._requests.alive(key, index, position)
             if state is not None:
                 actions += self._replies.fail_instance(state, index, code, message, now)
         return actions

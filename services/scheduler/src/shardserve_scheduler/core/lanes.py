@@ -3,28 +3,49 @@
 A job enters its lane's queue (``queue_job``), starts while the version has room in flight
 (``pump`` publishes its stage 0), moves from stage to stage (``publish``) and leaves
 (``retire`` when it ends, ``drop_job`` when nobody needs it any more, which also cancels
-it on its ranks). In-flight jobs are bounded per version (``max_inflight``).
+it on its ranks). In-flight jobs are bounded per version (``max_inflight``). The lanes own
+the open jobs: other parts look one up (``job``), they do not keep their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import ValuesView
+from collections.abc import Mapping, ValuesView
+from types import MappingProxyType
 
 from shardserve.wire.protocol import JobCancel, StageWork, TensorMap
 from shardserve.wire.tensors import digest_tensors
 from shardserve_scheduler.core.actions import Action, Cancel, PublishStageWork, debug
 from shardserve_scheduler.core.batching import Batcher, Member
 from shardserve_scheduler.core.jobs import Call, Job, Lane, LaneKey, RequestState
-from shardserve_scheduler.core.machine_state import MachineState, alive_key
+from shardserve_scheduler.core.open_requests import Ids, OpenRequests, alive_key
+from shardserve_scheduler.core.request_limits import RequestLimits
+from shardserve_scheduler.core.statistics import Statistics
 from shardserve_scheduler.core.timeline import Timeline
 
 
 class Lanes:
     """The lanes of every servable version, and the jobs moving through them."""
 
-    def __init__(self, state: MachineState) -> None:
-        self._state = state
+    def __init__(
+        self, limits: RequestLimits, ids: Ids, requests: OpenRequests, statistics: Statistics
+    ) -> None:
+        self._limits = limits
+        self._ids = ids
+        self._requests = requests
+        self._statistics = statistics
         self._lanes: dict[LaneKey, Lane] = {}
+        self._jobs: dict[str, Job] = {}
+
+    # ------------------------------------------------------------------ the jobs
+
+    def job(self, job_id: str) -> Job | None:
+        """The open job of this id (None once it retired or was dropped)."""
+        return self._jobs.get(job_id)
+
+    @property
+    def jobs(self) -> Mapping[str, Job]:
+        """Every open job, read-only."""
+        return MappingProxyType(self._jobs)
 
     # ------------------------------------------------------------------ the lanes
 
@@ -33,12 +54,12 @@ class Lanes:
         lane = self._lanes.get(call.lane_key)
         if lane is None:
             group = call.group
-            limit = group.max_batch_size or self._state.max_batch_size
+            limit = group.max_batch_size or self._limits.max_batch_size
             batches = group.with_batch_dim and (group.max_batch_size > 0 or limit > 1)
             stacks = not group.with_batch_dim and limit > 1
             # Stacking never waits for company: instances leave at once while a stage is
             # free, and pile up into one job only while every stage is busy (Lane.hungry).
-            delay = 0.0 if stacks else self._state.batch_delay
+            delay = 0.0 if stacks else self._limits.batch_delay
             batcher = Batcher(limit, delay) if batches or stacks else None
             lane = Lane(group, batcher, call.method.no_batch_inputs, stacking=stacks)
             self._lanes[call.lane_key] = lane
@@ -75,7 +96,7 @@ class Lanes:
     def forget(self, servable: str, version: int) -> None:
         """Drop an unloaded version's lane and statistics (it has no open request)."""
         self._lanes.pop((servable, version), None)
-        self._state.stats.pop((servable, version), None)
+        self._statistics.forget((servable, version))
 
     # ------------------------------------------------------------------ jobs entering
 
@@ -87,9 +108,9 @@ class Lanes:
         now: float,
         stacked: int = 0,
     ) -> None:
-        states = [self._state.requests[m[0]] for m, _ in members]
+        states = [self._open(m[0]) for m, _ in members]
         job = Job(
-            self._state.new_id("j"),
+            self._ids.new("j"),
             lane.group,
             tuple(m for m, _ in members),
             ranges,
@@ -99,29 +120,26 @@ class Lanes:
             stacked=stacked,
         )
         job.timeline.mark(now, f"queued ({len(members)} member(s))")
-        self._state.jobs[job.id] = job
+        self._jobs[job.id] = job
         for state in states:
             state.jobs.add(job.id)
         lane.queued.append(job)
-        stats = self._state.stats_of(job.lane_key)
-        stats.batches_total += 1
-        stats.batched_instances_total += len(members)
+        self._statistics.batch(job.lane_key, len(members))
 
     def pump(self, lane: Lane, now: float) -> list[Action]:
         """Publish stage 0 of queued jobs while the version has room in flight."""
         actions: list[Action] = []
-        jobs, requests = self._state.jobs, self._state.requests
-        while lane.queued and len(lane.inflight) < self._state.max_inflight:
+        while lane.queued and len(lane.inflight) < self._limits.max_inflight:
             job = lane.queued.popleft()
-            if job.id not in jobs:
+            if job.id not in self._jobs:
                 continue
-            if not self._state.live_members(job):
-                del jobs[job.id]  # every request it served already ended
+            if not self._requests.live_members(job):
+                del self._jobs[job.id]  # every request it served already ended
                 continue
             lane.inflight.add(job.id)
             for key, index, _, _ in job.members:
-                if key in requests:
-                    requests[key].instances[index].where = "in the model"
+                if (state := self._requests.get(key)) is not None:
+                    state.instances[index].where = "in the model"
             actions.append(self.publish(job, 0, job.inputs, digest_tensors(job.inputs), now))
         return actions
 
@@ -132,10 +150,6 @@ class Lanes:
         job.results = {}
         job.inputs = {}  # the inputs live in the message now; keep no second copy
         job.timeline.mark(now, f"s{stage} publish")
-        requests = self._state.requests
-        ids = dict.fromkeys(
-            requests[key].call.request.id for key, *_ in job.members if key in requests
-        )
         work = StageWork(
             job=job.id,
             servable=job.servable,
@@ -144,8 +158,8 @@ class Lanes:
             inputs=inputs,
             digest=digest,
             deadline=job.deadline,
-            result_to=self._state.result_to,
-            requests=tuple(ids),
+            result_to=self._limits.result_to,
+            requests=tuple(self._requests.request_ids(job)),
             stacked=job.stacked,
         )
         return PublishStageWork(work)
@@ -154,17 +168,14 @@ class Lanes:
 
     def retire(self, job: Job, now: float) -> list[Action]:
         """Forget a job (its lane slot frees); log its timeline."""
-        requests = self._state.requests
-        del self._state.jobs[job.id]
+        del self._jobs[job.id]
         lane = self._lanes.get(job.lane_key)
         if lane:
             lane.inflight.discard(job.id)
         for key, *_ in job.members:
-            if key in requests:
-                requests[key].jobs.discard(job.id)
-        request_id = next(
-            (requests[k].call.request.id for k, *_ in job.members if k in requests), "-"
-        )
+            if (state := self._requests.get(key)) is not None:
+                state.jobs.discard(job.id)
+        request_id = next(iter(self._requests.request_ids(job)), "-")
         return [debug(f"job {job.id} timeline: {job.timeline.render(now)}", request_id)]
 
     def drop_job(self, job: Job, reason: str, now: float) -> list[Action]:
@@ -181,10 +192,10 @@ class Lanes:
         """Drop the jobs of this request that serve no open instance any more."""
         actions: list[Action] = []
         for job_id in sorted(state.jobs):
-            job = self._state.jobs.get(job_id)
+            job = self._jobs.get(job_id)
             if job is None:
                 state.jobs.discard(job_id)
-            elif not self._state.live_members(job):
+            elif not self._requests.live_members(job):
                 actions += self.drop_job(job, "every request it served has ended", now)
             elif not self._serves(job, state):
                 state.jobs.discard(job_id)
@@ -192,5 +203,11 @@ class Lanes:
 
     def _serves(self, job: Job, state: RequestState) -> bool:
         """Whether ``job`` still serves an open instance of this request."""
-        alive = self._state.alive
+        alive = self._requests.alive
         return any(m[0] == state.key and alive(*alive_key(m)) for m in job.members)
+
+    def _open(self, key: str) -> RequestState:
+        state = self._requests.get(key)
+        if state is None:
+            raise KeyError(f"a job for request {key}, which is not open")
+        return state

@@ -18,8 +18,8 @@ from shardserve_scheduler.core.actions import Action
 from shardserve_scheduler.core.batching import Piece
 from shardserve_scheduler.core.jobs import Lane, RequestState
 from shardserve_scheduler.core.lanes import Lanes
-from shardserve_scheduler.core.machine_state import MachineState, alive_key
 from shardserve_scheduler.core.methods import ModelStep, PythonStep
+from shardserve_scheduler.core.open_requests import OpenRequests, alive_key
 from shardserve_scheduler.core.pystages import Outcome
 from shardserve_scheduler.core.python_queue import PythonQueue
 from shardserve_scheduler.core.replies import Replies
@@ -29,9 +29,9 @@ class Progress:
     """Advancing instances; forming jobs from batches; starting what is ready."""
 
     def __init__(
-        self, state: MachineState, lanes: Lanes, replies: Replies, python: PythonQueue
+        self, requests: OpenRequests, lanes: Lanes, replies: Replies, python: PythonQueue
     ) -> None:
-        self._state = state
+        self._requests = requests
         self._lanes = lanes
         self._replies = replies
         self._python = python
@@ -146,14 +146,14 @@ class Progress:
         except Exception as exc:
             actions: list[Action] = []
             for key, index, position in dict.fromkeys(alive_key(p.member) for p in pieces):
-                state = self._state.alive(key, index, position)
+                state = self._requests.alive(key, index, position)
                 if state is not None:
                     doing = "while forming a batch"
                     actions += self._replies.fail_instance_after_bug(state, index, doing, exc, now)
             return actions
 
     def _form_job(self, lane: Lane, pieces: list[Piece], now: float) -> None:
-        live = [p for p in pieces if self._state.alive(*alive_key(p.member))]
+        live = [p for p in pieces if self._requests.alive(*alive_key(p.member))]
         if not live:
             return
         if lane.stacking and len(live) > 1:

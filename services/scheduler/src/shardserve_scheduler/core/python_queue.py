@@ -10,9 +10,10 @@ from __future__ import annotations
 from shardserve.wire.tensors import Tensor
 from shardserve_scheduler.core.actions import Action, RunPython
 from shardserve_scheduler.core.jobs import LaneKey, RequestState
-from shardserve_scheduler.core.machine_state import MachineState
 from shardserve_scheduler.core.methods import PythonStep
+from shardserve_scheduler.core.open_requests import Ids, OpenRequests
 from shardserve_scheduler.core.pystages import PythonTask
+from shardserve_scheduler.core.request_limits import RequestLimits
 
 PyKey = tuple[LaneKey, str, int]  # (servable version, method, step position)
 PyMembers = list[tuple[str, int]]  # (request key, instance index) of each instance
@@ -21,8 +22,10 @@ PyMembers = list[tuple[str, int]]  # (request key, instance index) of each insta
 class PythonQueue:
     """Who waits for which Python step, and which instances each running task serves."""
 
-    def __init__(self, state: MachineState) -> None:
-        self._state = state
+    def __init__(self, limits: RequestLimits, ids: Ids, requests: OpenRequests) -> None:
+        self._limits = limits
+        self._ids = ids
+        self._requests = requests
         self._waiting: dict[PyKey, tuple[PythonStep, PyMembers]] = {}
         self._running: dict[str, tuple[PyKey, PyMembers]] = {}
 
@@ -38,11 +41,12 @@ class PythonQueue:
         actions: list[Action] = []
         waiting, self._waiting = self._waiting, {}
         for key, (step, members) in waiting.items():
-            live = [(k, i) for k, i in members if self._state.alive(k, i, key[2])]
-            size = 1 if step.batch_size is None else (step.batch_size or self._state.max_batch_size)
+            live = [(k, i) for k, i in members if self._requests.alive(k, i, key[2])]
+            limit = self._limits.max_batch_size
+            size = 1 if step.batch_size is None else (step.batch_size or limit)
             for start in range(0, len(live), size):
                 chunk = live[start : start + size]
-                task_id = self._state.new_id("p")
+                task_id = self._ids.new("p")
                 self._running[task_id] = (key, chunk)
                 args = tuple(self._args(step, k, i) for k, i in chunk)
                 actions.append(RunPython(PythonTask(task_id, key[1], step, args)))
@@ -57,5 +61,8 @@ class PythonQueue:
         return position, members
 
     def _args(self, step: PythonStep, key: str, index: int) -> tuple[Tensor, ...]:
-        env = self._state.requests[key].instances[index].env
+        state = self._requests.get(key)
+        if state is None:
+            raise KeyError(f"a Python task for request {key}, which is not open")
+        env = state.instances[index].env
         return tuple(env[ref] for ref in step.inputs)

@@ -16,16 +16,21 @@ import logging
 from shardserve.errors import ErrorCode
 from shardserve.wire.protocol import ErrorInfo, InferReply, InstanceResult
 from shardserve_scheduler.core.actions import Action, Log, Reply, bug_log, bug_message, error_reply
-from shardserve_scheduler.core.jobs import RequestState, collapsed_error
+from shardserve_scheduler.core.jobs import Counters, RequestState, collapsed_error
 from shardserve_scheduler.core.lanes import Lanes
-from shardserve_scheduler.core.machine_state import MachineState
+from shardserve_scheduler.core.open_requests import OpenRequests
+from shardserve_scheduler.core.statistics import Statistics
 
 
 class Replies:
     """Instance and request outcomes, and the one reply each request gets."""
 
-    def __init__(self, state: MachineState, lanes: Lanes) -> None:
-        self._state = state
+    def __init__(
+        self, counters: Counters, statistics: Statistics, requests: OpenRequests, lanes: Lanes
+    ) -> None:
+        self._counters = counters
+        self._statistics = statistics
+        self._requests = requests
         self._lanes = lanes
 
     def instance_done(
@@ -59,7 +64,7 @@ class Replies:
         """Fail every instance of ``state`` without an outcome (finished ones keep theirs)."""
         actions: list[Action] = []
         for index, instance in enumerate(state.instances):
-            if instance.outcome is None and state.key in self._state.requests:
+            if instance.outcome is None and self._requests.is_open(state):
                 actions += self.fail_instance(state, index, code, message, now)
         return actions
 
@@ -93,7 +98,7 @@ class Replies:
         logged, and the caller goes on with the other instances of its event."""
         message = bug_message(doing, exc)
         log = bug_log(message, state.call.request.id)
-        if state.key not in self._state.requests or state.instances[index].outcome is not None:
+        if not self._requests.is_open(state) or state.instances[index].outcome is not None:
             return [log]  # it already has its outcome
         try:
             return [log, *self.fail_instance(state, index, ErrorCode.INTERNAL, message, now)]
@@ -108,7 +113,7 @@ class Replies:
     def abandon(self, state: RequestState, message: str) -> list[Action]:
         """The last resort when ending a request the regular way raised: forget it and
         reply INTERNAL ``message``. Jobs that only it needed finish unseen."""
-        if state.key not in self._state.requests:
+        if not self._requests.is_open(state):
             return []
         call = state.call
         self._close(state, failed=True)
@@ -123,7 +128,7 @@ class Replies:
         return [self.count_reply(reply)]
 
     def count_reply(self, reply: Reply) -> Reply:
-        self._state.counters.replied += 1
+        self._counters.replied += 1
         return reply
 
     def _reply(self, state: RequestState, now: float) -> list[Action]:
@@ -143,9 +148,9 @@ class Replies:
         return [self.count_reply(Reply(call.reply_to, call.correlation_id, reply))]
 
     def _close(self, state: RequestState, failed: bool) -> None:
-        del self._state.requests[state.key]
+        self._requests.close(state)
         if failed:
-            self._state.counters.failed += 1
-            self._state.stats_of(state.call.lane_key).errors_total += 1
+            self._counters.failed += 1
+            self._statistics.error(state.call.lane_key)
         else:
-            self._state.counters.succeeded += 1
+            self._counters.succeeded += 1

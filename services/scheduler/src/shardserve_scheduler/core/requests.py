@@ -6,13 +6,20 @@ step as jobs, alone or batched with instances of other requests. A lost rank fai
 open instance of its group; the deadline and shutdown fail whole requests. Every request
 gets exactly one Reply.
 
-``RequestMachine`` is a facade: each event is handled by the parts that own what it
-touches (``machine_state`` lists them), then the machine *settles*: due batches leave,
+``RequestMachine`` is a facade over parts that each own one thing: ``OpenRequests`` (the
+requests let in and not answered), ``Lanes`` (per servable version: the batcher, the jobs
+queued and in flight), ``PythonQueue`` (instances waiting for a Python step, tasks running),
+``Replies`` (ending instances and requests), ``Progress`` (instances moving through their
+steps), ``JobOutcomes`` (a job's stage results) and ``Admission`` (letting requests in);
+they ask each other through methods. Each event is handled by the parts that own what it
+touches, then the machine *settles*: due batches leave,
 Python tasks and queued jobs start, after the event's own publishes, so with several
 stages jobs pipeline: job B's stage 0 goes out while job A is in stage 1.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from shardserve.errors import ErrorCode
 from shardserve.wire.protocol import StageResult
@@ -23,18 +30,19 @@ from shardserve_scheduler.core.jobs import (
     Call,
     Counters,
     Job,
-    LaneKey,
     RequestState,
     VersionStats,
     rank_error,
     stage_answered,
 )
 from shardserve_scheduler.core.lanes import Lanes
-from shardserve_scheduler.core.machine_state import MachineState
+from shardserve_scheduler.core.open_requests import Ids, OpenRequests
 from shardserve_scheduler.core.progress import Progress
 from shardserve_scheduler.core.pystages import Outcome
 from shardserve_scheduler.core.python_queue import PythonQueue
 from shardserve_scheduler.core.replies import Replies
+from shardserve_scheduler.core.request_limits import RequestLimits
+from shardserve_scheduler.core.statistics import Statistics
 
 __all__ = ["Call", "RequestMachine"]
 
@@ -52,20 +60,33 @@ class RequestMachine:
         max_batch_size: int = 32,
         batch_delay: float = 0.002,
     ) -> None:
-        self.state = MachineState(
+        self.limits = RequestLimits.of(
             result_to=result_to,
-            id_prefix=id_prefix,
             max_inflight=max_inflight,
             queue_factor=queue_factor,
             max_batch_size=max_batch_size,
             batch_delay=batch_delay,
         )
-        self.lanes = Lanes(self.state)
-        self.python = PythonQueue(self.state)
-        self.replies = Replies(self.state, self.lanes)
-        self.progress = Progress(self.state, self.lanes, self.replies, self.python)
-        self.outcomes = JobOutcomes(self.state, self.lanes, self.replies, self.progress)
-        self.admission = Admission(self.state, self.lanes, self.replies, self.progress)
+        self.counters = Counters()
+        self.statistics = Statistics()
+        ids = Ids(id_prefix)
+        self.requests = OpenRequests(ids)
+        self.lanes = Lanes(self.limits, ids, self.requests, self.statistics)
+        self.python = PythonQueue(self.limits, ids, self.requests)
+        self.replies = Replies(self.counters, self.statistics, self.requests, self.lanes)
+        self.progress = Progress(self.requests, self.lanes, self.replies, self.python)
+        self.outcomes = JobOutcomes(
+            self.counters, self.requests, self.lanes, self.replies, self.progress
+        )
+        self.admission = Admission(
+            self.limits,
+            self.counters,
+            self.statistics,
+            self.requests,
+            self.lanes,
+            self.replies,
+            self.progress,
+        )
 
     # ------------------------------------------------------------------ events
 
@@ -107,12 +128,12 @@ class RequestMachine:
         """A Python stage task finished: one outcome (outputs or error) per instance."""
         entry = self.python.finish(task_id)
         if entry is None:
-            self.state.counters.late_python_results += 1
+            self.counters.late_python_results += 1
             return []
         position, members = entry
         actions: list[Action] = []
         for (key, index), outcome in zip(members, outcomes, strict=True):
-            state = self.state.alive(key, index, position)
+            state = self.requests.alive(key, index, position)
             if state is None:
                 continue
             try:
@@ -125,9 +146,7 @@ class RequestMachine:
     def on_rank_lost(self, servable: str, version: int, message: str, now: float) -> list[Action]:
         """A group lost ranks: every open instance of the group fails at once."""
         actions: list[Action] = []
-        requests = self.state.requests
-        doomed = [s for s in requests.values() if s.call.lane_key == (servable, version)]
-        for state in doomed:
+        for state in self.requests.of_version(servable, version):
             try:
                 actions += self.replies.fail_open_instances(
                     state, ErrorCode.RANK_LOST, message, now
@@ -140,7 +159,7 @@ class RequestMachine:
 
     def on_publish_failed(self, job_id: str, message: str, now: float) -> list[Action]:
         """A StageWork could not be handed to the broker: its instances fail UNAVAILABLE."""
-        job = self.state.jobs.get(job_id)
+        job = self.lanes.job(job_id)
         if job is None:
             return []
         why = f"could not send job {job_id} to its ranks: {message}"
@@ -154,10 +173,10 @@ class RequestMachine:
     def tick(self, now: float) -> list[Action]:
         """End every request whose deadline has passed; flush batches that are due."""
         actions: list[Action] = []
-        late = [s for s in self.state.requests.values() if s.call.request.deadline <= now]
+        late = [s for s in self.requests.all() if s.call.request.deadline <= now]
         for state in late:
             try:
-                message = _deadline_message(self.state, state, now)
+                message = _deadline_message(self.lanes, state, now)
                 actions += self.replies.fail_request(state, ErrorCode.DEADLINE, message, now)
             except Exception as exc:  # a scheduler bug: still one outcome, and the others
                 doing = "ending the request at its deadline"
@@ -167,7 +186,7 @@ class RequestMachine:
     def shutdown(self, message: str, now: float) -> list[Action]:
         """Reply UNAVAILABLE to every request still open (the scheduler is stopping)."""
         actions: list[Action] = []
-        for state in list(self.state.requests.values()):
+        for state in self.requests.all():
             actions += self.replies.fail_request(state, ErrorCode.UNAVAILABLE, message, now)
         return actions
 
@@ -190,14 +209,19 @@ class RequestMachine:
         return self.lanes.queued(servable, version)
 
     def version_stats(self, servable: str, version: int) -> VersionStats:
-        return self.state.stats.get((servable, version), VersionStats())
+        return self.statistics.of((servable, version))
 
     def open_for(self, servable: str, version: int) -> int:
-        return self.state.open_for(servable, version)
+        return len(self.requests.of_version(servable, version))
 
     @property
     def open_requests(self) -> int:
-        return len(self.state.requests)
+        return len(self.requests)
+
+    @property
+    def jobs(self) -> Mapping[str, Job]:
+        """Every open job, read-only."""
+        return self.lanes.jobs
 
     def next_wakeup(self) -> float | None:
         """When the earliest open batch is due (the shell ticks then), or None."""
@@ -207,50 +231,12 @@ class RequestMachine:
         """Drop an unloaded version's lane and statistics (it has no open request)."""
         self.lanes.forget(servable, version)
 
-    # ------------------------------------------------------------------ the shared state
 
-    @property
-    def counters(self) -> Counters:
-        return self.state.counters
-
-    @property
-    def requests(self) -> dict[str, RequestState]:
-        return self.state.requests
-
-    @property
-    def jobs(self) -> dict[str, Job]:
-        return self.state.jobs
-
-    @property
-    def stats(self) -> dict[LaneKey, VersionStats]:
-        return self.state.stats
-
-    @property
-    def result_to(self) -> str:
-        return self.state.result_to
-
-    @property
-    def max_inflight(self) -> int:
-        return self.state.max_inflight
-
-    @property
-    def max_queued(self) -> int:
-        return self.state.max_queued
-
-    @property
-    def max_batch_size(self) -> int:
-        return self.state.max_batch_size
-
-    @property
-    def batch_delay(self) -> float:
-        return self.state.batch_delay
-
-
-def _deadline_message(machine: MachineState, state: RequestState, now: float) -> str:
+def _deadline_message(lanes: Lanes, state: RequestState, now: float) -> str:
     waited_ms = (now - state.accepted_at) * 1000
     message = f"deadline exceeded after {waited_ms:.0f} ms in the scheduler"
     for job_id in sorted(state.jobs):
-        job = machine.jobs.get(job_id)
+        job = lanes.job(job_id)
         if job is None:
             continue
         if job.stage < 0:
