@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,6 +143,7 @@ def fuzz_route(base_url: str, model: str, route: str, tally: HttpTally, count: i
     @fuzz_settings(count, 0)
     @given(text=bodies(body_route, model))
     def one(text: str) -> None:
+        started = time.monotonic()
         try:
             response = session.post(
                 base_url + path,
@@ -153,7 +155,8 @@ def fuzz_route(base_url: str, model: str, route: str, tally: HttpTally, count: i
         except requests.RequestException as exc:
             tally.record(0, f"POST {path}: {type(exc).__name__}: {text[:200]!r}")
             return
-        tally.record(response.status_code, f"POST {path} {text[:200]!r} -> {response.text[:200]!r}")
+        what = f"POST {path} {text[:200]!r} -> {response.text[:200]!r}"
+        tally.record(response.status_code, what, time.monotonic() - started)
 
     while tally.sent < count:
         before = tally.sent

@@ -143,11 +143,12 @@ def fuzz_http(run: FuzzRun, base_url: str, budget: int) -> None:
         print(tally.summary(), file=sys.stderr, flush=True)
 
 
-def fuzz_generation(run: FuzzRun, base_url: str, per_route: int) -> None:
-    """Each generation route ``per_route`` times, a well-formed stream running beside."""
+def fuzz_generation(run: FuzzRun, mesh: ChaosMesh, per_route: int) -> None:
+    """Each generation route ``per_route`` times, then ``per_route`` malformed
+    generate/cancel messages, a well-formed stream after another running throughout."""
     reference = json.loads((HF_FIXTURE / "reference.json").read_text())["prompts"][0]
     streams = generation_fuzz.WellFormedStreams(
-        base_url,
+        mesh.http_url,
         GENERATION_SERVABLE,
         reference["text"],
         reference["greedy_text"],
@@ -159,10 +160,11 @@ def fuzz_generation(run: FuzzRun, base_url: str, per_route: int) -> None:
         for route in generation_fuzz.ROUTES:
             tally = HttpTally(f"generation-{route}")
             started = time.monotonic()
-            generation_fuzz.fuzz_route(base_url, GENERATION_SERVABLE, route, tally, per_route)
+            generation_fuzz.fuzz_route(mesh.http_url, GENERATION_SERVABLE, route, tally, per_route)
             run.seconds[f"generation-{route}"] = time.monotonic() - started
             run.http.append(tally)
             print(tally.summary(), file=sys.stderr, flush=True)
+        fuzz_amqp_generation(run, mesh, per_route)
     finally:
         streams.stop.set()
         beside.join()
@@ -214,11 +216,9 @@ def run_fuzz(
         if http_budget > 0:
             fuzz_http(run, mesh.http_url, http_budget)
         if generation > 0:
-            fuzz_generation(run, mesh.http_url, generation)
+            fuzz_generation(run, mesh, generation)
         if amqp_count > 0:
             fuzz_amqp(run, mesh, amqp_count)
-        if generation > 0:
-            fuzz_amqp_generation(run, mesh, generation)
         run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
         run.ranks_lost = mesh.log_path.read_text(errors="replace").count(RANK_LOST_LINE)
         run.demo_ok = demo_answers(mesh.http_url)

@@ -17,6 +17,7 @@ class HttpTally:
     statuses: Counter[int] = field(default_factory=Counter)
     refused_by_client: int = 0  # requests the HTTP client would not send (bad header bytes)
     failures: list[str] = field(default_factory=list)
+    slowest_s: float = 0.0  # the longest wait for an answer (of those timed)
 
     @property
     def sent(self) -> int:
@@ -34,8 +35,9 @@ class HttpTally:
     def passed(self) -> bool:
         return self.sent > 0 and self.server_errors == 0 and self.no_answer == 0
 
-    def record(self, status: int, what: str) -> None:
+    def record(self, status: int, what: str, seconds: float = 0.0) -> None:
         self.statuses[status] += 1
+        self.slowest_s = max(self.slowest_s, seconds)
         if (status >= 500 or status == 0) and len(self.failures) < EXAMPLES_KEPT:
             self.failures.append(f"{status}: {what}")
 
@@ -47,6 +49,7 @@ class HttpTally:
             "server_errors": self.server_errors,
             "no_answer": self.no_answer,
             "refused_by_client": self.refused_by_client,
+            "slowest_s": round(self.slowest_s, 3),
             "failures": self.failures,
             "passed": self.passed,
         }
@@ -55,5 +58,6 @@ class HttpTally:
         statuses = " ".join(f"{k}:{v}" for k, v in sorted(self.statuses.items()))
         return (
             f"http {self.source}: sent {self.sent} (client refused {self.refused_by_client}); "
-            f"statuses {statuses}; 5xx {self.server_errors}; no answer {self.no_answer}"
+            f"statuses {statuses}; 5xx {self.server_errors}; no answer {self.no_answer}; "
+            f"slowest answer {self.slowest_s:.1f} s"
         )

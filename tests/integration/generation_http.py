@@ -87,6 +87,19 @@ async def read_sse(response: aiohttp.ClientResponse) -> list[dict[str, Any] | st
     return [event async for event in sse_events(response)]
 
 
+async def streamed_completion(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> AsyncIterator[tuple[str, float]]:
+    """Each text event of a streamed ``/v1/completions`` answer with its arrival time; an
+    error event or a status other than 200 fails the test."""
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for event in sse_events(resp):
+            if isinstance(event, dict):
+                assert "error" not in event, event
+                yield "".join(choice["text"] for choice in event["choices"]), time.monotonic()
+
+
 def servable_status(mesh: LocalMesh, servable: str) -> dict[str, Any]:
     for entry in mesh.status().get("servables", ()):
         if entry.get("name") == servable:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from shardserve.ops.child_mesh import LocalMesh
 from shardserve.tools.export.hf import export_hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation_http import FIXTURE, REFERENCE, sse_events, start_mesh
+from generation_http import FIXTURE, REFERENCE, start_mesh, streamed_completion
 
 pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
@@ -93,13 +92,9 @@ async def stream(
         ignore_eos=True,
     )
     parts, arrivals = [], []
-    async with session.post(base + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for event in sse_events(resp):
-            if isinstance(event, dict):
-                assert "error" not in event, event
-                parts += [choice["text"] for choice in event["choices"]]
-                arrivals.append(time.monotonic())
+    async for text, arrived in streamed_completion(session, base + "/v1/completions", body):
+        parts.append(text)
+        arrivals.append(arrived)
     return "".join(parts), arrivals
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from shardserve.errors import InternalError
-from shardserve.runtime.sampling import sample_row, sample_rows, top_ids
+from shardserve.runtime.sampling import BROKEN_ROW_TOKEN, sample_row, sample_rows, top_ids
 from shardserve.wire.protocol import RowSampling
 
 
@@ -32,14 +32,14 @@ def softmax(values: np.ndarray) -> np.ndarray:
 
 def test_greedy_takes_the_lowest_id_on_a_tie() -> None:
     logits = np.array([[0.0, 5.0, 1.0, 5.0], [7.0, 7.0, 7.0, 7.0]], dtype=np.float32)
-    tokens, logprobs = sample_rows(logits, [row(), row(seq=1)])
+    tokens, logprobs, _ = sample_rows(logits, [row(), row(seq=1)])
     assert tokens == [1, 0]
     assert logprobs == [None, None]
 
 
 def test_greedy_is_the_argmax_of_each_row() -> None:
     logits = logits_rows(16, 1000)
-    tokens, _ = sample_rows(logits, [row(seq=i) for i in range(16)])
+    tokens, _, _ = sample_rows(logits, [row(seq=i) for i in range(16)])
     assert tokens == [int(t) for t in logits.argmax(axis=1)]
 
 
@@ -49,10 +49,10 @@ def test_a_row_draws_the_same_token_alone_and_anywhere_in_a_batch() -> None:
         row(seq=i, index=3 * i, temperature=0.7 + i / 40, top_p=0.9, top_k=i % 3 * 20, seed=i)
         for i in range(32)
     ]
-    batched, _ = sample_rows(logits, rows)
+    batched, _, _ = sample_rows(logits, rows)
     alone = [sample_rows(logits[i : i + 1], [rows[i]])[0][0] for i in range(32)]
     order = np.random.default_rng(1).permutation(32)
-    shuffled, _ = sample_rows(logits[order], [rows[i] for i in order])
+    shuffled, _, _ = sample_rows(logits[order], [rows[i] for i in order])
     assert batched == alone
     assert [shuffled[list(order).index(i)] for i in range(32)] == batched
 
@@ -180,7 +180,7 @@ def log_softmax(values: np.ndarray) -> np.ndarray:
 
 def test_logprobs_are_of_the_raw_logits_with_the_top_n_sorted() -> None:
     logits = np.array([[1.0, 3.0, 3.0, -2.0, 0.5, 2.0]], dtype=np.float32)
-    tokens, logprobs = sample_rows(logits, [row(temperature=5.0, seed=1, logprobs=3)])
+    tokens, logprobs, _ = sample_rows(logits, [row(temperature=5.0, seed=1, logprobs=3)])
     expected = log_softmax(logits[0])
     entry = logprobs[0]
     assert entry is not None
@@ -193,7 +193,7 @@ def test_logprobs_are_of_the_raw_logits_with_the_top_n_sorted() -> None:
 
 def test_logprobs_zero_gives_the_chosen_token_only() -> None:
     logits = logits_rows(2, 50)
-    _, logprobs = sample_rows(logits, [row(logprobs=0), row(seq=1)])
+    _, logprobs, _ = sample_rows(logits, [row(logprobs=0), row(seq=1)])
     assert logprobs[0] is not None and logprobs[0].top == ()
     assert logprobs[0].logprob == pytest.approx(log_softmax(logits[0]).max(), abs=1e-12)
     assert logprobs[1] is None
@@ -202,7 +202,7 @@ def test_logprobs_zero_gives_the_chosen_token_only() -> None:
 def test_logprobs_do_not_depend_on_the_batch() -> None:
     logits = logits_rows(8, 2000)
     rows = [row(seq=i, logprobs=5) for i in range(8)]
-    _, batched = sample_rows(logits, rows)
+    _, batched, _ = sample_rows(logits, rows)
     alone = [sample_rows(logits[i : i + 1], [rows[i]])[1][0] for i in range(8)]
     assert batched == alone
 
@@ -249,18 +249,23 @@ def test_the_fast_paths_pick_what_a_full_sort_picks(
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf])
-def test_a_non_finite_logit_row_is_an_internal_error(poison: float) -> None:
+def test_a_non_finite_logit_row_is_broken_and_the_others_are_sampled(poison: float) -> None:
     logits = logits_rows(3, 100)
     logits[1, 17] = poison
-    with pytest.raises(InternalError, match=r"logit rows \[1\]"):
-        sample_rows(logits, [row(seq=i) for i in range(3)])
+    rows = [row(seq=i, temperature=1.0 if i == 2 else 0.0, logprobs=2) for i in range(3)]
+    tokens, logprobs, broken = sample_rows(logits, rows)
+    assert broken == (1,)
+    assert tokens[1] == BROKEN_ROW_TOKEN and logprobs[1] is None
+    alone = [sample_rows(logits[i : i + 1], [rows[i]]) for i in (0, 2)]
+    assert [tokens[0], tokens[2]] == [s.tokens[0] for s in alone]
+    assert [logprobs[0], logprobs[2]] == [s.logprobs[0] for s in alone]
 
 
-def test_a_row_of_minus_infinity_is_an_internal_error() -> None:
+def test_a_row_of_minus_infinity_is_broken() -> None:
     logits = logits_rows(2, 100)
     logits[0, :] = -np.inf
-    with pytest.raises(InternalError, match=r"logit rows \[0\]"):
-        sample_rows(logits, [row(temperature=1.0), row(seq=1)])
+    _, _, broken = sample_rows(logits, [row(temperature=1.0), row(seq=1)])
+    assert broken == (0,)
 
 
 def test_masked_minus_infinity_logits_are_never_drawn() -> None:
@@ -279,7 +284,7 @@ def test_greedy_on_transformers_logits_gives_transformers_tokens(model: str) -> 
     for i, prompt in enumerate(reference["prompts"]):
         logits = arrays[f"prompt{i}.decode_logits"]
         rows = [row(seq=i, index=j, logprobs=2) for j in range(len(logits))]
-        tokens, logprobs = sample_rows(logits, rows)
+        tokens, logprobs, _ = sample_rows(logits, rows)
         assert tokens == prompt["greedy_ids"]
         for entry in logprobs:
             assert entry is not None and entry.top[0].token_id == entry.token_id
@@ -295,5 +300,5 @@ def test_a_subnormal_temperature_samples_the_argmax(
     nucleus (IndexError) or a garbage token. The shift before the division cannot."""
     logits = logits_rows(4, 1000, seed=3)
     rows = [row(seq=i, temperature=temperature, top_k=top_k, top_p=top_p) for i in range(4)]
-    tokens, _ = sample_rows(logits, rows)
+    tokens, _, _ = sample_rows(logits, rows)
     assert tokens == np.argmax(logits, axis=1).tolist()

@@ -17,7 +17,7 @@ def row(**fields: object) -> RowSampling:
 
 
 def greedy(logits: list[float], sampling: RowSampling) -> int:
-    tokens, _ = sample_rows(np.asarray([logits], np.float32), [sampling])
+    tokens, _, _ = sample_rows(np.asarray([logits], np.float32), [sampling])
     return tokens[0]
 
 
@@ -70,7 +70,7 @@ def test_min_tokens_masks_the_stop_ids_until_reached() -> None:
 def test_logprobs_are_those_of_the_raw_logits() -> None:
     logits = np.asarray([[2.0, 1.0, 0.0]], np.float32)
     sampling = row(logprobs=1, logit_bias=(LogitBias(token_id=2, bias=50.0),))
-    tokens, logprobs = sample_rows(logits, [sampling])
+    tokens, logprobs, _ = sample_rows(logits, [sampling])
     raw = logits[0].astype(np.float64)
     expected = raw - np.log(np.exp(raw).sum())
     assert tokens == [2]
@@ -95,7 +95,7 @@ def test_a_decode_run_advancing_its_rows_picks_what_rebuilt_rows_pick() -> None:
     advanced = row(**settings)
     by_run: list[int] = []
     for logits in steps:
-        (token,), _ = sample_rows(logits[None, :], [advanced])
+        (token,), _, _ = sample_rows(logits[None, :], [advanced])
         by_run.append(token)
         advanced = advanced.after(token)
     rebuilt: list[int] = []

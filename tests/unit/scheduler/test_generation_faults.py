@@ -188,3 +188,35 @@ def test_one_sequences_failing_text_ends_that_sequence_only() -> None:
     assert bench.last("b").finish_reason == "length"
     assert len([c for c in bench.chunks["b"] if c.token_ids]) == 6
     assert bench.machine.running("llama", 1) == 0
+
+
+def ended_and_went_on(bench: Bench) -> None:
+    """a ended with the non-finite logits error at its third token; b got all six."""
+    failed = bench.last("a")
+    assert failed.error is not None and failed.error.code == ErrorCode.INTERNAL
+    assert "not finite" in failed.error.message
+    assert len([c for c in bench.chunks["a"] if c.token_ids]) == 2
+    assert bench.last("b").finish_reason == "length"
+    assert len([c for c in bench.chunks["b"] if c.token_ids]) == 6
+    assert bench.machine.running("llama", 1) == 0
+
+
+def test_a_non_finite_logit_row_ends_that_sequence_only() -> None:
+    """Before, the agent failed the whole step: every sequence batched with it ended."""
+    bench = Bench(limits=Limits(max_decode_steps=1))
+    bench.generate("a", request("a", max_tokens=6))
+    bench.generate("b", request("b", max_tokens=6))
+    bench.broken.add((1, 2))  # sequence 1 (a), its third token
+    bench.run_until_idle()
+    ended_and_went_on(bench)
+
+
+def test_a_non_finite_row_in_a_decode_run_ends_that_sequence_at_that_iteration() -> None:
+    bench = Bench(limits=Limits(max_decode_steps=8, decode_run_ms=1000.0))
+    bench.generate("a", request("a", max_tokens=6))
+    bench.generate("b", request("b", max_tokens=6))
+    bench.now = 1.0
+    bench.broken.add((1, 2))  # a's third token: an iteration of a run (later ones ignored)
+    bench.run_until_idle()
+    assert max(work.decode_steps for work in bench.steps) > 1
+    ended_and_went_on(bench)

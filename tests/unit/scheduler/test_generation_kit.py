@@ -129,6 +129,7 @@ class Bench:
             self.registry, result_to="results.q", id_prefix="t", limits=limits, seeds=lambda: 7
         )
         self.script: Script = script or (lambda seq, index: 100 + index)
+        self.broken: set[tuple[int, int]] = set()  # (sequence, index): a non-finite logit row
         self.chunks: dict[str, list[GenerateChunk]] = {}
         self.steps: list[StepWork] = []  # every StepWork published, in order
         self.frees: list[PublishFree] = []
@@ -177,8 +178,14 @@ class Bench:
             stage=work.stage,
             rank=self.group.leader_of(work.stage),
             tokens=tokens,
+            broken_rows=self.broken_rows(work, iteration),
             iteration=iteration,
         )
+
+    def broken_rows(self, work: StepWork, iteration: int) -> tuple[int, ...]:
+        """The rows of ``self.broken`` in the work's ``iteration``."""
+        rows = enumerate(work.sampling)
+        return tuple(i for i, r in rows if (r.seq, r.index + iteration) in self.broken)
 
     def result(self, work: StepWork, rank: int, error: ErrorInfo | None) -> StepResult | None:
         base = dict(step=work.step, servable=work.servable, version=work.version)
@@ -189,7 +196,14 @@ class Bench:
             last = work.decode_steps - 1
             leader = rank == self.group.leader_of(work.stage)
             tokens = tuple(self.script(r.seq, r.index + last) for r in work.sampling)
-            return StepResult(**base, digest="d", tokens=tokens if leader else (), iteration=last)
+            broken = self.broken_rows(work, last) if leader else ()
+            return StepResult(
+                **base,
+                digest="d",
+                tokens=tokens if leader else (),
+                broken_rows=broken,
+                iteration=last,
+            )
         leader = self.group.leader_of(work.stage)
         last = work.stage == self.group.stage_size - 1
         if not last:
@@ -203,7 +217,9 @@ class Bench:
         if rank != leader and self.group.stages[work.stage].program[-1].op == "allgather":
             return None  # combined at the leader: non-leaders send nothing
         tokens = tuple(self.script(r.seq, r.index) for r in work.sampling)
-        return StepResult(**base, digest="d", tokens=tokens if rank == leader else ())
+        if rank != leader:
+            return StepResult(**base, digest="d")
+        return StepResult(**base, digest="d", tokens=tokens, broken_rows=self.broken_rows(work, 0))
 
     def run_step(self) -> list[Action]:
         """Answer the oldest pending StepWork."""

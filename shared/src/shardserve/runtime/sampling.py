@@ -1,9 +1,10 @@
 """The next token of each logit row, as the last stage's leader picks it.
 
 ``sample_rows(logits, rows)`` takes the float32 logits ``[M, V]`` of a step and one
-``RowSampling`` per row (same order) and returns the chosen ids and, for rows that asked, their
-logprobs. The choice of a row depends only on its logits, seed and index, never on the other
-rows of the batch, so a sequence samples the same tokens alone or among 63 others:
+``RowSampling`` per row (same order) and returns the chosen ids, for rows that asked their
+logprobs, and the rows that could not be sampled (``SampledRows``). The choice of a row
+depends only on its logits, seed and index, never on the other rows of the batch, so a
+sequence samples the same tokens alone or among 63 others:
 
 * ``temperature == 0``: greedy, ``np.argmax`` (the lowest id wins a tie);
 * otherwise ``w = exp((logits - max) / temperature)`` (in float64); candidates ordered by
@@ -24,8 +25,12 @@ OpenAI reports them), the chosen token's and the top N (by logprob descending, t
 ascending). Their ``text`` fields are "": the agent has no tokenizer; the scheduler fills
 them in (``TextModel.with_texts``).
 
-Errors: InternalError when the rows do not match the logits, or a row is not finite (a NaN,
-+inf, or nothing but -inf: a broken step, not a token to pick).
+A row that is not finite (a NaN, +inf, or nothing but -inf: the model's numerics broke for
+that sequence, not a token to pick) is ``broken``: its token is ``BROKEN_ROW_TOKEN`` (a valid
+id, so a decode run can feed it back), no logprobs, and the caller ends that sequence alone;
+the other rows are sampled as ever (rows never mix in the model: a NaN stays in its own).
+
+Errors: InternalError when the rows do not match the logits.
 
 Cost: the cuts need the head of the order, not a sort of the row: ``top_ids`` partitions a
 strided sample to find a threshold and then only the values above it. A flat distribution's
@@ -35,6 +40,7 @@ nucleus (most of the row) needs a sort of the values; a peaked one's fits in 256
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -42,7 +48,15 @@ import numpy.typing as npt
 from shardserve.errors import InternalError
 from shardserve.wire.protocol import RowSampling, TokenLogprob, TopLogprob
 
-__all__ = ["adjusted_logits", "sample_row", "sample_rows", "top_ids"]
+__all__ = [
+    "BROKEN_ROW_TOKEN",
+    "SampledRows",
+    "adjusted_logits",
+    "broken_rows",
+    "sample_row",
+    "sample_rows",
+    "top_ids",
+]
 
 FloatRow = npt.NDArray[np.float64]
 IdArray = npt.NDArray[np.int64]
@@ -54,37 +68,41 @@ NUCLEUS_HEADS = (256, 2048)
 # Smallest strided sample top_ids partitions to find its threshold: a small ``count`` (logprobs'
 # top 5) still gets a threshold that about 2 * count + len / POOL_SAMPLE values reach.
 POOL_SAMPLE = 512
+BROKEN_ROW_TOKEN = 0  # the token of a row that is not finite (ignored: its sequence ends)
 
 
-def sample_rows(
-    logits: npt.NDArray[np.float32], rows: Sequence[RowSampling]
-) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Choose one token per logit row; return the ids and the logprobs of rows that asked."""
+class SampledRows(NamedTuple):
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    broken: tuple[int, ...]  # indexes of the rows that were not finite (ascending)
+
+
+def sample_rows(logits: npt.NDArray[np.float32], rows: Sequence[RowSampling]) -> SampledRows:
+    """Choose one token per finite logit row; the logprobs of rows that asked."""
     if logits.ndim != 2 or logits.shape[0] != len(rows):
         raise InternalError(f"logits of shape {logits.shape} for {len(rows)} sampled rows")
-    _check_finite(logits)
+    broken = broken_rows(logits)
     tokens = _greedy_tokens(logits)
     for i, row in enumerate(rows):
-        if row.temperature > 0:
+        if i in broken:
+            tokens[i] = BROKEN_ROW_TOKEN
+        elif row.temperature > 0:
             tokens[i] = sample_row(logits[i], row)
         elif row.adjusts_logits:
             tokens[i] = int(np.argmax(adjusted_logits(logits[i], row)))
     logprobs = [
-        None if row.logprobs is None else _logprobs(logits[i], tokens[i], row.logprobs)
+        None
+        if row.logprobs is None or i in broken
+        else _logprobs(logits[i], tokens[i], row.logprobs)
         for i, row in enumerate(rows)
     ]
-    return tokens, logprobs
+    return SampledRows(tokens, logprobs, broken)
 
 
-def _check_finite(logits: npt.NDArray[np.float32]) -> None:
-    """A NaN anywhere, +inf, or a row of -inf means a broken step, not a token to pick.
-    (A row's max is NaN when any entry is: one cheap pass finds them all.)"""
-    peaks = logits.max(axis=1)
-    broken = np.flatnonzero(~np.isfinite(peaks))
-    if len(broken):
-        raise InternalError(
-            f"logit rows {broken[:8].tolist()} are not finite (max {peaks[broken[0]]})"
-        )
+def broken_rows(logits: npt.NDArray[np.float32]) -> tuple[int, ...]:
+    """Rows with a NaN anywhere, +inf, or nothing but -inf. (A row's max is NaN when any
+    entry is: one cheap pass finds them all.)"""
+    return tuple(int(i) for i in np.flatnonzero(~np.isfinite(logits.max(axis=1))))
 
 
 def _greedy_tokens(logits: npt.NDArray[np.float32]) -> list[int]:

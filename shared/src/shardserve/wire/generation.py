@@ -319,6 +319,9 @@ class StepResult(_Message):
     its final result (``iteration`` K - 1, the tokens at the leader) whose ``digest`` is
     that of all K iterations' sampled tokens: the scheduler checks that the ranks agreed.
     An error ends the run at any iteration.
+
+    ``broken_rows``: the logit rows (indexes into ``tokens``) that were not finite, whose
+    tokens mean nothing: those sequences end with an error, the others take their tokens.
     """
 
     kind: Literal["step.result"] = "step.result"
@@ -331,6 +334,7 @@ class StepResult(_Message):
     outputs: TensorMap | None = None
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
+    broken_rows: tuple[int, ...] = ()
     error: ErrorInfo | None = None
     compute_ms: float = 0.0
     collective_ms: float = 0.0

@@ -85,6 +85,7 @@ class StepFailedError(Exception):
 class _Sampled:
     tokens: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprob | None, ...] = ()
+    broken: tuple[int, ...] = ()  # rows not finite: their sequences end (sample_rows)
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,7 @@ class Stepper:
             outputs=outcome.outputs,
             tokens=outcome.sampled.tokens,
             logprobs=outcome.sampled.logprobs,
+            broken_rows=outcome.sampled.broken,
             error=None,
             compute_ms=compute_ms,
             collective_ms=wait_ms,
@@ -356,10 +358,12 @@ class Stepper:
             )
         logits = np.ascontiguousarray(logits, dtype=np.float32)
         if logits.nbytes > OFF_LOOP_BYTES:
-            tokens, logprobs = await asyncio.to_thread(sample_rows, logits, rows)
+            sampled = await asyncio.to_thread(sample_rows, logits, rows)
         else:
-            tokens, logprobs = sample_rows(logits, rows)
-        return _Sampled(tuple(tokens), tuple(logprobs))
+            sampled = sample_rows(logits, rows)
+        if sampled.broken:
+            _logger.warning("logit rows %s are not finite: their sequences end", sampled.broken)
+        return _Sampled(tuple(sampled.tokens), tuple(sampled.logprobs), sampled.broken)
 
     def _forget(self, work: StepWork, cache: KVCache) -> None:
         """Free every sequence the step touches (see the module docstring)."""

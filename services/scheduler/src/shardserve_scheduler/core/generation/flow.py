@@ -127,7 +127,7 @@ class Flow:
         leader = step.group.leader_of(step.stage)
         answer = step.results[leader]
         if step.last_stage:
-            return self._tokens(run, step, answer.tokens, answer.logprobs, now)
+            return self._tokens(run, step, answer, now)
         where = f"stage {step.stage} leader rank {leader} of {step.label}"
         if answer.outputs is None:
             return self.fail_step(run, step, ErrorCode.INTERNAL, f"{where} sent no outputs", now)
@@ -157,25 +157,18 @@ class Flow:
             return self.fail_step(run, step, ErrorCode.INTERNAL, problem, now)
         step.streamed += 1
         self._timed(run, step, now)
-        return self._each_token(run, step, result.tokens, result.logprobs, now)
+        return self._each_token(run, step, result, now)
 
-    def _tokens(
-        self,
-        run: VersionRun,
-        step: Step,
-        tokens: tuple[int, ...],
-        logprobs: tuple[TokenLogprob | None, ...],
-        now: float,
-    ) -> list[Action]:
+    def _tokens(self, run: VersionRun, step: Step, answer: StepResult, now: float) -> list[Action]:
         """The step's last tokens: it ends, its sequences take them, the lane goes on."""
-        problem = self._count_problem(step, tokens)
+        problem = self._count_problem(step, answer.tokens)
         if not problem and step.streamed != step.decode_steps - 1:
             problem = f"{step.label} ended after {step.streamed + 1} of {step.decode_steps} steps"
         if problem:
             return self.fail_step(run, step, ErrorCode.INTERNAL, problem, now)
         self._timed(run, step, now)
         self._retire(run, step)
-        chunks = self._each_token(run, step, tokens, logprobs, now)
+        chunks = self._each_token(run, step, answer, now)
         # The lane's next step goes out before the chunks: the sender publishes in order,
         # and the ranks then compute while the chunks are published (32 sequences: 32
         # publishes off the step's critical path). The step already leaves out the
@@ -196,18 +189,34 @@ class Flow:
         step.marked_at = now
 
     def _each_token(
-        self,
-        run: VersionRun,
-        step: Step,
-        tokens: tuple[int, ...],
-        logprobs: tuple[TokenLogprob | None, ...],
-        now: float,
+        self, run: VersionRun, step: Step, result: StepResult, now: float
     ) -> list[Action]:
+        """Each sampled sequence takes its token; one whose logit row was not finite ends
+        with an error instead (the model's numerics broke for it alone)."""
+        tokens, logprobs = result.tokens, result.logprobs
         padded = logprobs if len(logprobs) == len(tokens) else (None,) * len(tokens)
         actions: list[Action] = []
-        for sequence, token, logprob in zip(step.sampled, tokens, padded, strict=True):
-            actions += self._token_or_end(run, sequence, token, logprob, now)
+        for row, (sequence, token, logprob) in enumerate(
+            zip(step.sampled, tokens, padded, strict=True)
+        ):
+            if row in result.broken_rows:
+                actions += self._broken_row(run, sequence, now)
+            else:
+                actions += self._token_or_end(run, sequence, token, logprob, now)
         return actions
+
+    def _broken_row(self, run: VersionRun, sequence: Sequence, now: float) -> list[Action]:
+        """A sequence whose logits were NaN or infinite: it alone ends, with the error."""
+        if sequence.status != "running":
+            return []  # already ended (an earlier iteration of a decode run)
+        message = (
+            f"the model's logits for token {len(sequence.generated)} of this sequence were "
+            "not finite (NaN or infinity): no token could be sampled"
+        )
+        run.stats.errors_total += 1
+        return [*chunks.error_chunk(sequence, ErrorCode.INTERNAL, message)] + self.leave(
+            run, sequence, now
+        )
 
     def _token_or_end(
         self, run: VersionRun, sequence: Sequence, token: int, raw: TokenLogprob | None, now: float
