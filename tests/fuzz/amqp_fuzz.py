@@ -10,6 +10,7 @@ no-ack queue or one without that exchange). Every queue must keep its consumers.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -37,6 +38,7 @@ QUEUE_ROLES = {
     "shardserve.status.": "gateway-status",
 }
 PUBLISH_WINDOW = 200  # confirms awaited together
+LISTING_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def role_of(queue: str) -> str | None:
 def consumer_queues(vhost: str) -> list[ConsumerQueue]:
     """The queues of ``vhost`` that a service consumes, by role."""
     columns = ("name", "consumers", "messages", "arguments")
-    done = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers", *columns)
+    done = listed("list_queues", "-p", vhost, "--no-table-headers", *columns)
     if done.returncode != 0:
         raise RuntimeError(f"rabbitmqctl list_queues failed: {done.stderr.strip()}")
     found = []
@@ -113,6 +115,17 @@ def consumer_queues(vhost: str) -> list[ConsumerQueue]:
             depth_n = int(depth) if depth.isdecimal() else 0
             found.append(ConsumerQueue(name, role, int(consumers), depth_n))
     return sorted(found, key=lambda q: q.name)
+
+
+def listed(*args: str) -> subprocess.CompletedProcess[str]:
+    """A read-only rabbitmqctl command, tried again when it times out: on a loaded machine
+    the CLI's Erlang VM alone has taken over 60 s to start (a listing is safe to repeat)."""
+    for _ in range(LISTING_ATTEMPTS - 1):
+        try:
+            return rabbitmqctl(*args)
+        except subprocess.TimeoutExpired:
+            continue
+    return rabbitmqctl(*args)
 
 
 async def publish_all(
