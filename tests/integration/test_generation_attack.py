@@ -5,11 +5,14 @@ clear answer (never a 5xx), the streams complete with transformers' text, and no
 declared lost (before: the scheduler tokenized on the loop that carries heartbeats, stalled
 for seconds, declared rank 0 lost, and the streams ended with rank_lost; a subnormal
 temperature failed the whole step). The streams' inter-token latency p99, quiet and under
-the flood, is printed (a figure, not an assertion)."""
+the flood (in turns), is printed with its ratio (a figure, not an assertion; before the
+prompts past the context were refused by their byte length, tokenizing them took the cores:
+x2.9 and x3.1 on 2 cores at a load of 11)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +34,7 @@ SERVABLE = "llama_tp2"
 PROMPTS = REFERENCE["prompts"]
 MAX_SIZE = "hello world " * 83333  # ~1 MB: within the prompt limit, beyond the context
 ROUNDS = 3
+PAIRS = 3
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +73,22 @@ FLOOD: list[tuple[str, Any, set[int]]] = [
 ]
 
 
+# Encoded once: json.dumps of 9 MB per round on the loop that reads the streams delayed
+# their tokens' arrival times by as much (the measurement's own stall, seen with py-spy).
+ENCODED = [
+    body.encode() if isinstance(body, str) else json.dumps(body).encode() for _, body, _ in FLOOD
+]
+JSON = {"Content-Type": "application/json"}
+
+
 async def flood(session: aiohttp.ClientSession, base: str) -> list[tuple[str, int, set[int]]]:
-    async def one(path: str, body: Any) -> int:
-        kwargs: dict[str, Any] = {"json": body} if not isinstance(body, str) else {"data": body}
-        async with session.post(base + path, **kwargs) as resp:
+    async def one(path: str, body: bytes) -> int:
+        async with session.post(base + path, data=body, headers=JSON) as resp:
             await resp.read()
             return resp.status
 
-    statuses = await asyncio.gather(*(one(path, body) for path, body, _ in FLOOD))
+    pairs = zip(FLOOD, ENCODED, strict=True)
+    statuses = await asyncio.gather(*(one(path, body) for (path, _, _), body in pairs))
     return [(path, status, ok) for (path, _, ok), status in zip(FLOOD, statuses, strict=True)]
 
 
@@ -98,9 +110,9 @@ async def stream(
     return "".join(parts), arrivals
 
 
-def itl_p99_ms(arrivals: list[list[float]]) -> float:
+def itl_ms(arrivals: list[list[float]], percentile: float) -> float:
     gaps = np.concatenate([np.diff(times) for times in arrivals if len(times) > 1])
-    return float(np.percentile(gaps, 99) * 1000.0)
+    return float(np.percentile(gaps, percentile) * 1000.0)
 
 
 async def streams_while(
@@ -122,19 +134,28 @@ async def test_a_flood_of_huge_prompts_and_poison_parameters_hurts_no_other_stre
 ) -> None:
     base = mesh.http_url
     timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        quiet_texts, quiet_times, _ = await streams_while(session, base, flooding=False)
-        texts, times, answered = await streams_while(session, base, flooding=True)
+    quiet_times: list[list[float]] = []
+    flood_times: list[list[float]] = []
+    answered: list[tuple[str, int, set[int]]] = []
     expected = [p["greedy_text"] for p in PROMPTS]
-    assert quiet_texts == expected
-    assert texts == expected
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for _ in range(PAIRS):  # quiet and flooded in turn: the machine's load drifts
+            texts, times, _ = await streams_while(session, base, flooding=False)
+            assert texts == expected
+            quiet_times += times
+            texts, times, flooded = await streams_while(session, base, flooding=True)
+            assert texts == expected
+            flood_times += times
+            answered += flooded
     wrong = [(path, status) for path, status, ok in answered if status not in ok]
-    assert len(answered) == ROUNDS * len(FLOOD) and wrong == []
+    assert len(answered) == PAIRS * ROUNDS * len(FLOOD) and wrong == []
     log = mesh.log_path.read_text(errors="replace")
     assert "no heartbeat for" not in log
     status = {s["name"]: s for s in mesh.status()["servables"]}
     assert status[SERVABLE]["ready"]
-    print(
-        f"\nITL p99: quiet {itl_p99_ms(quiet_times):.1f} ms, "
-        f"under the flood {itl_p99_ms(times):.1f} ms ({ROUNDS} rounds of {len(FLOOD)})"
-    )
+    for percentile in (50, 99):
+        quiet, flooded = itl_ms(quiet_times, percentile), itl_ms(flood_times, percentile)
+        print(
+            f"\nITL p{percentile}: quiet {quiet:.1f} ms, under the flood {flooded:.1f} ms "
+            f"(x{flooded / quiet:.2f}; {PAIRS} turns, each {ROUNDS} rounds of {len(FLOOD)})"
+        )

@@ -122,7 +122,7 @@ class RequestIntake:
         request = origin.request
         try:
             placed = place_generation(self._catalog, self._registry, self._texts, request)
-            ids = await asyncio.to_thread(prompt_ids, placed.text, request)
+            ids = await asyncio.to_thread(prompt_ids, placed.text, request, placed.max_positions)
         except InferenceError as exc:
             return exc
         except Exception as exc:  # a bug: this stream ends with it instead of hanging

@@ -26,6 +26,7 @@ tokenizer.json raises RepositoryError.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +37,7 @@ from shardserve.errors import BadInputError, RepositoryError
 from shardserve.text.chat import ChatTemplate, Message
 from shardserve.text.detokenize import IncrementalDetokenizer
 from shardserve.text.folder import TOKENIZER_FILE, TokenizerFolder
+from shardserve.text.token_bound import most_bytes_per_token
 from shardserve.wire.protocol import TokenLogprob
 
 __all__ = ["TextModel"]
@@ -92,8 +94,11 @@ class TextModel:
             raise BadInputError(f"servable {self.servable} has no chat template")
         return ChatTemplate(self._chat_source, self.special_tokens, f"servable {self.servable}")
 
-    def encode(self, prompt: str) -> list[int]:
-        """Prompt ids as transformers' ``tokenizer(prompt)`` gives them."""
+    def encode(self, prompt: str, context: int | None = None) -> list[int]:
+        """Prompt ids as transformers' ``tokenizer(prompt)`` gives them. With ``context``,
+        a prompt that surely has at least that many tokens is refused without tokenizing
+        (BadInputError; see ``token_bound``)."""
+        self._check_can_fit(prompt, context)
         return self._encode(prompt, add_special_tokens=True)
 
     def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
@@ -101,11 +106,34 @@ class TextModel:
         return self._chat.render(messages, add_generation_prompt)
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        context: int | None = None,
     ) -> list[int]:
-        """Prompt ids of a chat: the rendered template encoded without adding special tokens."""
+        """Prompt ids of a chat: the rendered template encoded without adding special tokens
+        (``context`` as for ``encode``)."""
         rendered = self.render_chat(messages, add_generation_prompt)
+        self._check_can_fit(rendered, context)
         return self._encode(rendered, add_special_tokens=False)
+
+    @cached_property
+    def _most_bytes_per_token(self) -> int | None:
+        return most_bytes_per_token(json.loads(self._tokenizer.to_str()))
+
+    def _check_can_fit(self, text: str, context: int | None) -> None:
+        """BadInputError when ``text`` has at least ``context`` tokens by the byte bound."""
+        per_token = self._most_bytes_per_token
+        if context is None or per_token is None:
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        fewest = -(-size // per_token)
+        if fewest >= context:
+            raise BadInputError(
+                f"the prompt has at least {fewest} tokens ({size} bytes, at most {per_token} "
+                f"a token); the model's context is {context} tokens, which leaves no room to "
+                "generate"
+            )
 
     def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         # encode_batch, not encode: the same ids, but it releases the GIL while the Rust

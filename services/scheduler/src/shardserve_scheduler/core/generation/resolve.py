@@ -44,7 +44,8 @@ def resolve_generation(
 ) -> Target:
     """Resolve and tokenize a request, or raise the InferenceError that answers it."""
     placed = place_generation(catalog, registry, texts, request)
-    return Target(placed.group, placed.text, prompt_ids(placed.text, request), placed.max_positions)
+    ids = prompt_ids(placed.text, request, placed.max_positions)
+    return Target(placed.group, placed.text, ids, placed.max_positions)
 
 
 def place_generation(
@@ -71,17 +72,18 @@ def place_generation(
     return Placement(entry.group, text, _max_positions(entry.group))
 
 
-def prompt_ids(text: TextModel, request: GenerateRequest) -> tuple[int, ...]:
+def prompt_ids(text: TextModel, request: GenerateRequest, context: int) -> tuple[int, ...]:
     """The prompt's ids (tokenized, or rendered and tokenized, or checked): the heavy part,
-    which the service runs in a worker thread."""
+    which the service runs in a worker thread. A text that surely has ``context`` tokens
+    or more is refused before tokenizing (``TextModel.encode``)."""
     if request.prompt_ids is not None:
         text.check_ids(request.prompt_ids)
         return tuple(request.prompt_ids)
     if request.messages is not None:
         messages = [message.model_dump() for message in request.messages]
-        ids = text.encode_chat(messages)
+        ids = text.encode_chat(messages, context=context)
     else:
-        ids = text.encode(request.prompt or "")
+        ids = text.encode(request.prompt or "", context=context)
     if not ids:
         raise BadInputError("the prompt is empty: it gives no tokens")
     return tuple(ids)
