@@ -27,7 +27,7 @@ from shardserve.tools.export.hf import export_hf
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import FIXTURE, REFERENCE, start_mesh, streamed_completion
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 SERVABLE = "llama_nan"
 EMBEDDING = "model.embed_tokens.weight"
