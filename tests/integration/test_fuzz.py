@@ -3,6 +3,8 @@
 A few hundred schemathesis requests (the gateway's spec, the OIP spec, the stateful
 links) and a few hundred Hypothesis-made bad messages into every consumer queue: no
 answer >= 500, none missing, every dead letter back, no service lost, the demo still -48.
+Beside it the exported llama fixture: 20 poisoned bodies per generation route and 20
+malformed generate/cancel messages while well-formed streams give the reference text.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import pytest
 
 from shardserve.process.settings import AMQP_URL_ENV
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.heavy]  # (exports the llama fixture)
+GENERATION_SOURCES = {
+    "generation-completions",
+    "generation-chat",
+    "generation-triton",
+    "generation-triton-stream",
+}
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,7 +42,7 @@ def figures(amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         env={**os.environ, AMQP_URL_ENV: amqp_url},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=600,
     )
     assert out.exists(), f"no figures written:\n{done.stdout}\n{done.stderr[-4000:]}"
     data: dict[str, Any] = json.loads(out.read_text())
@@ -45,11 +53,22 @@ def figures(amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 def test_no_http_answer_is_a_server_error_or_missing(figures: dict[str, Any]) -> None:
     sources = {t["source"]: t for t in figures["http"]}
-    assert set(sources) == {"gateway-openapi", "oip-spec", "oip-generate-spec", "stateful-links"}
+    matmul = {"gateway-openapi", "oip-spec", "oip-generate-spec", "stateful-links"}
+    assert set(sources) == matmul | GENERATION_SOURCES
     for tally in sources.values():
         assert tally["sent"] > 0, figures["_output"]
         assert tally["server_errors"] == 0 and tally["no_answer"] == 0, tally["failures"]
-    assert sum(t["sent"] for t in sources.values()) >= 200
+    assert sum(sources[s]["sent"] for s in matmul) >= 200
+    assert all(sources[s]["sent"] == 20 for s in GENERATION_SOURCES)
+
+
+def test_generation_streams_run_right_and_no_rank_is_lost(figures: dict[str, Any]) -> None:
+    streams = figures["well_formed_streams"]
+    assert streams["right"] > 0 and streams["wrong"] == [], figures["_output"]
+    assert figures["ranks_lost"] == 0
+    generation = figures["amqp_generation"]
+    assert generation["sent"] == 20
+    assert generation["dead_letters_seen"] == generation["dead_letters_expected"], generation
 
 
 def test_every_bad_message_to_a_dead_lettering_consumer_comes_back(
@@ -65,6 +84,6 @@ def test_every_bad_message_to_a_dead_lettering_consumer_comes_back(
 
 def test_services_survive_and_the_demo_still_answers(figures: dict[str, Any]) -> None:
     assert figures["services_lost"] == [], figures["_output"]
-    assert figures["services"]["agent"] == 2 and figures["services"]["gateway"] == 1
+    assert figures["services"]["agent"] == 4 and figures["services"]["gateway"] == 1
     assert figures["demo_answers_-48"] is True
     assert figures["passed"] is True and figures["_code"] == 0
