@@ -76,6 +76,8 @@ async def test_refused_commands(gateway: Gateway) -> None:
          "bad_input", "'config' is not supported"),
         ("/v2/repository/models/matmul/load", {"parameters": {"version": -1}}, 400,
          "bad_input", "positive integer"),
+        # (found by the gRPC fuzz, where model_name may also be empty: a 500 before)
+        (f"/v2/repository/models/{'m' * 129}/load", None, 400, "bad_input", "1-128 characters"),
     ]  # fmt: skip
     for path, body, status, code, message in cases:
         resp = await gateway.client.post(path, json=body)

@@ -76,6 +76,9 @@ class SchedulerHello(_Message):
     scheduler: str
 
 
+MAX_SERVABLE_NAME = 128  # characters of a servable name in a RepositoryCommand
+
+
 class RepositoryCommand(_Message):
     """Load (bring up) or unload (drain, then drop) one servable version without a restart.
 
@@ -85,7 +88,7 @@ class RepositoryCommand(_Message):
 
     kind: Literal["repository.command"] = "repository.command"
     action: Literal["load", "unload"]
-    servable: str = Field(min_length=1, max_length=128)
+    servable: str = Field(min_length=1, max_length=MAX_SERVABLE_NAME)
     version: int = Field(default=0, ge=0)
 
 

@@ -83,16 +83,27 @@ class StreamInfer:
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Context, call: Call
     ) -> None:
         """Serve every request of the stream until the client closes its side and all
-        are answered (a cancelled call cancels them all)."""
+        are answered (a cancelled call cancels them all; a malformed message ends the
+        call with INVALID_ARGUMENT once the requests before it are answered)."""
         lock = asyncio.Lock()
 
         async def send(response: pb.ModelStreamInferResponse) -> None:
             async with lock:  # one write at a time on the call
                 await context.write(response)
 
+        refused: InferenceError | None = None
         async with asyncio.TaskGroup() as group:
-            async for request in requests:
-                group.create_task(self._answer(request, context, call, send))
+            try:
+                async for request in requests:
+                    group.create_task(self._answer(request, context, call, send))
+            except InferenceError as exc:
+                # A malformed message ends the stream, but only once the requests before
+                # it are answered: aborting the call while one of them is writing its
+                # answer would leave it with no status at all (grpc refuses the second
+                # operation), and the client waiting to its deadline.
+                refused = exc
+        if refused is not None:
+            raise refused
 
     async def _answer(
         self, request: pb.ModelInferRequest, context: Context, call: Call, send: Send

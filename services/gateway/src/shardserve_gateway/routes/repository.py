@@ -26,6 +26,7 @@ from aiohttp import web
 
 from shardserve.errors import BadInputError, NotFoundError
 from shardserve.process.integers import parse_positive_int
+from shardserve.wire.control import MAX_SERVABLE_NAME
 from shardserve.wire.protocol import RepositoryCommand, ServableStatus
 from shardserve_gateway.codecs.body import read_body
 from shardserve_gateway.codecs.kserve import parse_json_object
@@ -105,6 +106,10 @@ async def send_command(
         raise BadInputError(
             f"{action} takes a servable name, not a method: use "
             f"{model.partition(METHOD_SEPARATOR)[0]!r}"
+        )
+    if not 0 < len(model) <= MAX_SERVABLE_NAME:  # (gRPC's model_name may be empty)
+        raise BadInputError(
+            f"{action} takes a servable name of 1-{MAX_SERVABLE_NAME} characters, got {len(model)}"
         )
     version = command_version(body)
     if action == "unload":
