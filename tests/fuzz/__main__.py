@@ -1,4 +1,5 @@
-"""``scripts/fuzz [--quick] [--http N] [--amqp N]``: fuzz a local mesh, print the counts.
+"""``scripts/fuzz [--quick] [--http N] [--amqp N] [--grpc N]``: fuzz a local mesh, print
+the counts.
 
 Exit code 0 when the run passed (see ``tests.fuzz.run``), 1 when it did not.
 """
@@ -16,6 +17,7 @@ from tests.fuzz.run import run_fuzz
 
 FULL = (10_000, 10_000, 10_000)
 QUICK = (200, 300, 20)  # (the generation part adds about 50 s on a loaded machine)
+GRPC_FULL, GRPC_QUICK = 10_000, 300  # gRPC calls (tests/fuzz/grpc_fuzz.py)
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -37,6 +39,13 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="N",
         help="requests per generation route and malformed generate/cancel messages (0: none)",
     )
+    parser.add_argument(
+        "--grpc",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"calls to the gRPC API ({GRPC_FULL:,}; --quick: {GRPC_QUICK}; 0: none)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="matmul ranks of the mesh")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="write figures")
     parser.add_argument("--workdir", type=Path, default=None, help="repository + mesh log")
@@ -50,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = http if args.http is None else args.http  # (0: that half is left out)
     amqp = amqp if args.amqp is None else args.amqp
     generation = generation if args.generation is None else args.generation
-    run = run_fuzz(workdir, http, amqp, args.ranks, generation)
+    grpc = (GRPC_QUICK if args.quick else GRPC_FULL) if args.grpc is None else args.grpc
+    run = run_fuzz(workdir, http, amqp, args.ranks, generation, grpc)
     print("\n".join(run.lines()), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(run.as_dict(), indent=2))

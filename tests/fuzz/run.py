@@ -23,7 +23,7 @@ from typing import Any
 from unittest import mock
 
 import requests
-from tests.fuzz import amqp_fuzz, amqp_messages, generation_fuzz, http_fuzz
+from tests.fuzz import amqp_fuzz, amqp_messages, generation_fuzz, grpc_fuzz, http_fuzz
 from tests.fuzz.oip_spec import OIP_GENERATE_SPEC, OIP_SPEC, load_oip_spec
 from tests.fuzz.tally import HttpTally
 
@@ -48,6 +48,7 @@ class FuzzRun:
     amqp: amqp_fuzz.AmqpTally | None = None
     amqp_generation: amqp_fuzz.AmqpTally | None = None
     streams: generation_fuzz.WellFormedStreams | None = None
+    grpc: grpc_fuzz.GrpcFuzzResult | None = None
     ranks_lost: int = 0  # "no heartbeat" losses in the mesh log
     pids_before: dict[str, list[int]] = field(default_factory=dict)
     pids_lost: list[str] = field(default_factory=list)
@@ -57,10 +58,11 @@ class FuzzRun:
     @property
     def passed(self) -> bool:
         amqp_ok = all(t is None or t.passed for t in (self.amqp, self.amqp_generation))
-        fuzzed = (self.http or self.amqp) and all(t.passed for t in self.http) and amqp_ok
+        fuzzed = (self.http or self.amqp or self.grpc) and all(t.passed for t in self.http)
         streams_ok = self.streams is None or self.streams.passed
+        grpc_ok = self.grpc is None or self.grpc.passed
         clean = not self.pids_lost and not self.ranks_lost
-        return bool(fuzzed) and clean and self.demo_ok and streams_ok
+        return bool(fuzzed) and amqp_ok and clean and self.demo_ok and streams_ok and grpc_ok
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -73,6 +75,7 @@ class FuzzRun:
             "well_formed_streams": None
             if self.streams is None
             else {"right": self.streams.completed, "wrong": self.streams.wrong},
+            "grpc": None if self.grpc is None else self.grpc.as_dict(),
             "ranks_lost": self.ranks_lost,
             "services": {k: len(v) for k, v in self.pids_before.items()},
             "services_lost": self.pids_lost,
@@ -89,6 +92,8 @@ class FuzzRun:
             out.append("generate/cancel " + self.amqp_generation.summary())
         if self.streams is not None:
             out.append(self.streams.summary())
+        if self.grpc is not None:
+            out.extend(self.grpc.lines())
         out.append(f"ranks declared lost: {self.ranks_lost}")
         out.append(f"services alive {alive}/{total}; demo -48: {self.demo_ok}")
         out.append("seconds " + " ".join(f"{k}:{v:.0f}" for k, v in self.seconds.items()))
@@ -207,11 +212,24 @@ def fuzz_amqp(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
     print(run.amqp.summary(), file=sys.stderr, flush=True)
 
 
+def fuzz_grpc(run: FuzzRun, mesh: ChaosMesh, workdir: Path, count: int) -> None:
+    """``count`` calls to the gRPC API of a gateway of their own on the mesh."""
+    started = time.monotonic()
+    run.grpc = grpc_fuzz.run_grpc_fuzz(mesh.amqp_url, workdir, count)
+    run.seconds["grpc"] = time.monotonic() - started
+    print("\n".join(run.grpc.lines()), file=sys.stderr, flush=True)
+
+
 def run_fuzz(
-    workdir: Path, http_budget: int, amqp_count: int, ranks: int, generation: int = 0
+    workdir: Path,
+    http_budget: int,
+    amqp_count: int,
+    ranks: int,
+    generation: int = 0,
+    grpc: int = 0,
 ) -> FuzzRun:
     """``generation``: requests per generation route and malformed generate/cancel
-    messages (0: no generation servable, none sent)."""
+    messages (0: no generation servable, none sent); ``grpc``: gRPC calls (0: none)."""
     run = FuzzRun()
     served = {GENERATION_SERVABLE: HF_FIXTURE} if generation > 0 else {}
     mesh = ChaosMesh(workdir, ranks=ranks, hf_checkpoints=served)
@@ -229,6 +247,8 @@ def run_fuzz(
             fuzz_generation(run, mesh, generation)
         if amqp_count > 0:
             fuzz_amqp(run, mesh, amqp_count)
+        if grpc > 0:
+            fuzz_grpc(run, mesh, workdir, grpc)
         run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
         run.ranks_lost = mesh.log_path.read_text(errors="replace").count(RANK_LOST_LINE)
         run.demo_ok = demo_answers(mesh.http_url)

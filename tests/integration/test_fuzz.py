@@ -1,8 +1,9 @@
 """The fuzz suite's quick form (``scripts/fuzz --quick``) against a real 2-rank mesh.
 
 A few hundred schemathesis requests (the gateway's spec, the OIP spec, the stateful
-links) and a few hundred Hypothesis-made bad messages into every consumer queue: no
-answer >= 500, none missing, every dead letter back, no service lost, the demo still -48.
+links), a few hundred Hypothesis-made bad messages into every consumer queue and a few
+hundred gRPC calls: no answer >= 500, none missing, every dead letter back, every gRPC
+call a status that is not a server's failure, no service lost, the demo still -48.
 Beside it the exported llama fixture: 20 poisoned bodies per generation route and 20
 malformed generate/cancel messages while well-formed streams give the reference text.
 """
@@ -80,6 +81,17 @@ def test_every_bad_message_to_a_dead_lettering_consumer_comes_back(
     assert amqp["dead_letters_seen"] == amqp["dead_letters_expected"], amqp
     assert amqp["problems"] == []
     assert {"request", "stage-work", "collective", "scheduler-control"} <= set(amqp["sent_by_role"])
+
+
+def test_every_grpc_call_ends_with_a_proper_status(figures: dict[str, Any]) -> None:
+    calls = figures["grpc"]
+    assert calls["sent"] >= 250, figures["_output"]
+    assert calls["wrong"] == 0, calls["failures"]
+    assert {"OK", "INVALID_ARGUMENT", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED"} <= set(
+        calls["statuses"]
+    )
+    assert calls["gateway_same_process"] and calls["inflight_settled"]
+    assert calls["demo_answers_-48"] is True
 
 
 def test_services_survive_and_the_demo_still_answers(figures: dict[str, Any]) -> None:
