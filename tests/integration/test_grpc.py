@@ -1,5 +1,6 @@
 """The gateway's gRPC API on the demo mesh (MatMul over 8 ranks), driven by tritonclient.grpc
-unchanged and, for KServe's subset, by a raw stub of our generated code.
+and KServe's ``InferenceGRPCClient`` unchanged (in a process of its own: see
+``kserve_client_calls.py``), and by raw stubs of our generated code.
 
 One mesh with a bearer token and a 1 MiB message limit: every call sends the token, one
 test leaves it out; the limit makes an oversized request cheap to send.
@@ -7,8 +8,12 @@ test leaves it out; the limit makes an oversized request cheap to send.
 
 from __future__ import annotations
 
+import json
 import queue
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,6 +32,7 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "grpc-test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+KSERVE_CALLS = Path(__file__).resolve().parent / "kserve_client_calls.py"
 X = np.ones((128, 96), np.float32)
 
 
@@ -198,3 +204,100 @@ def test_malformed_protobuf_bytes_get_a_status(mesh: LocalMesh) -> None:
             raw(b"\xff\xff\xff\xff\x0f garbage", metadata=tuple(AUTH.items()))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "inference.ModelInferRequest" in raised.value.details()
+
+
+def test_a_malformed_message_on_a_stream_ends_it_after_the_answers_before(
+    mesh: LocalMesh,
+) -> None:
+    """Found by the gRPC fuzz: the stream ended INTERNAL (the TaskGroup wrapped the parse
+    error), or with no status at all when an answer was being written as it aborted."""
+    request = pb.ModelInferRequest(model_name="matmul", id="first")
+    request.inputs.add(name="x", datatype="FP32", shape=[128, 96])
+    request.raw_input_contents.append(X.tobytes())
+    with grpc.insecure_channel(f"127.0.0.1:{mesh.grpc_port}") as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+        messages = iter((request.SerializeToString(), b"\xff\xff\xff\xff\x0f garbage"))
+        answers = stream(messages, metadata=tuple(AUTH.items()), timeout=120)
+        received = []
+        with pytest.raises(grpc.RpcError) as raised:
+            received.extend(pb.ModelStreamInferResponse.FromString(raw) for raw in answers)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    assert "inference.ModelInferRequest" in raised.value.details()
+    assert [r.infer_response.id for r in received] == ["first"]
+    y = np.frombuffer(received[0].infer_response.raw_output_contents[0], np.float32)
+    assert np.all(y == -48.0)
+
+
+def test_a_repository_command_without_a_model_name_is_invalid(
+    stub: pb_grpc.GRPCInferenceServiceStub,
+) -> None:
+    """Found by the gRPC fuzz (an empty model_name answered INTERNAL)."""
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.RepositoryModelLoad(
+            pb.RepositoryModelLoadRequest(model_name=""), metadata=tuple(AUTH.items())
+        )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1-128 characters" in raised.value.details()
+
+
+# -- KServe's Python client (kserve.InferenceGRPCClient), unchanged -----------------------
+
+KSERVE_SEED = 11
+
+
+@pytest.fixture(scope="module")
+def kserve(mesh: LocalMesh) -> dict[str, Any]:
+    """What KServe's client got, in a process of its own (see kserve_client_calls.py)."""
+    done = subprocess.run(
+        [sys.executable, str(KSERVE_CALLS), f"127.0.0.1:{mesh.grpc_port}", TOKEN]
+        + [str(KSERVE_SEED)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    answers: dict[str, Any] = json.loads(done.stdout)
+    return answers
+
+
+def test_kserve_client_health(kserve: dict[str, Any]) -> None:
+    assert kserve["live"] is True and kserve["ready"] is True
+    assert kserve["model_ready"] is True and kserve["unknown_model_ready"] is False
+
+
+def test_kserve_model_metadata(kserve: dict[str, Any]) -> None:
+    metadata = kserve["metadata"]
+    assert metadata["name"] == "matmul" and metadata["platform"]
+    assert metadata["inputs"] == [["x", "FP32", [128, 96]]]
+    assert metadata["outputs"] == [["y", "FP32", [128, 16]]]
+
+
+@pytest.mark.parametrize("form", ["raw", "contents"])
+def test_kserve_client_infer_on_the_demo_gives_minus_48(kserve: dict[str, Any], form: str) -> None:
+    """raw: the tensor in raw_input_contents; contents: a list, sent as fp32_contents."""
+    answer = kserve[form]
+    assert (answer["id"], answer["model_name"], answer["name"]) == ("k-1", "matmul", "y")
+    assert answer["shape"] == [128, 16] and answer["dtype"] == "float32"
+    assert set(answer["values"]) == {-48.0}
+
+
+def test_kserve_client_binary_tensors_match_the_unsliced_model(kserve: dict[str, Any]) -> None:
+    x = np.random.default_rng(KSERVE_SEED).standard_normal((128, 96)).astype(np.float32)
+    y = np.array(kserve["random"]["values"], np.float32).reshape(128, 16)
+    assert np.max(np.abs(y - unsliced(x))) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "words"),
+    [
+        ("unknown-model", "NOT_FOUND", "nope"),
+        ("wrong-shape", "INVALID_ARGUMENT", "95"),
+        ("no-token", "UNAUTHENTICATED", "bearer token"),
+    ],
+)
+def test_kserve_client_errors_are_their_status(
+    kserve: dict[str, Any], case: str, code: str, words: str
+) -> None:
+    status = kserve["errors"][case]
+    assert status["code"] == code, status
+    assert words in status["details"]
