@@ -46,9 +46,7 @@ def gguf_file(model: str, precision: str) -> Path:
     if precision in CONVERTER_TYPES:
         _convert(model, CONVERTER_TYPES[precision], scratch)
     elif precision == "Q4_0":
-        quantize = gen_llama_build.binaries() / "llama-quantize"
-        command = [str(quantize), str(gguf_file(model, "F32")), str(scratch), "Q4_0", "2"]
-        subprocess.run(command, check=True, capture_output=True)
+        quantize_q4_0(gguf_file(model, "F32"), scratch)
     else:
         raise ValueError(f"no GGUF precision {precision!r}; known: {', '.join(PRECISIONS)}")
     scratch.rename(path)
@@ -56,12 +54,25 @@ def gguf_file(model: str, precision: str) -> Path:
 
 
 def _convert(model: str, outtype: str, out: Path) -> None:
+    convert_checkpoint(gen_models.checkpoints() / model, outtype, out)
+
+
+def convert_checkpoint(checkpoint: Path, outtype: str, out: Path) -> None:
+    """llama.cpp's converter on a Hugging Face checkpoint folder (in the torch env)."""
     command = [str(gen_models.torch_python()), "-P", str(ROOT / "benchmarks" / "gguf_convert.py")]
-    command += [str(gen_llama_build.source()), str(gen_models.checkpoints() / model)]
+    command += [str(gen_llama_build.source()), str(checkpoint)]
     command += ["--outtype", outtype, "--outfile", str(out)]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf failed ({done.returncode}): {done.stderr[-1500:]}")
+
+
+def quantize_q4_0(f32: Path, out: Path) -> None:
+    """``llama-quantize F32 OUT Q4_0`` with its default mix (as a user gets it)."""
+    quantize = gen_llama_build.binaries() / "llama-quantize"
+    subprocess.run(
+        [str(quantize), str(f32), str(out), "Q4_0", "2"], check=True, capture_output=True
+    )
 
 
 def header(path: Path) -> GGUFHeader:

@@ -39,6 +39,9 @@ TORCH_PACKAGES = (
     "onnx",
     "onnx-ir",  # the model builder's
     "sentencepiece",
+    "gguf",  # transformers reading the quality checkpoint's GGUF (make_quality_checkpoint)
+    "protobuf",
+    "accelerate",  # transformers loads a GGUF file only with it
 )
 BENCH_MODELS = ("bench-small", "bench-large", "bench-125m")
 

