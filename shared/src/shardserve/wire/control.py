@@ -12,29 +12,37 @@ from shardserve.wire.message import _Message
 # ---------------------------------------------------------------- control plane
 
 
-class _AgentState(_Message):
+class RankReport(BaseModel):
+    """What an agent reports of its rank's process and work, in its hello and every
+    heartbeat; the scheduler relays it in the mesh status (``RankStatus``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = ""
+    pid: int = 0
+    load_ms: float = 0.0
+    rss_bytes: int = 0
+    inflight: int = 0
+    jobs_done: int = 0
+    compute_ms_total: float = 0.0
+    collective_ms_total: float = 0.0
+    # generation servables: the rank's KV cache budget and use, its open sequences
+    kv_capacity_bytes: int = 0
+    kv_used_bytes: int = 0
+    sequences: int = 0
+
+
+class _AgentState(_Message, RankReport):
     instance: str
     servable: str
     version: int
     rank: int
     stage: int
     slice_checksum: str
-    host: str = ""
-    pid: int = 0
     state: Literal["loading", "ready", "draining"] = "ready"
     cache: Literal["hit", "miss", "off"] = "off"
-    load_ms: float = 0.0
-    rss_bytes: int = 0
-    inflight: int = 0
     control_key: str = ""
-    jobs_done: int = 0
-    compute_ms_total: float = 0.0
-    collective_ms_total: float = 0.0
-    # generation servables: the rank's KV cache budget, use, and cost of one token
-    kv_capacity_bytes: int = 0
-    kv_used_bytes: int = 0
-    kv_bytes_per_token: int = 0
-    sequences: int = 0
+    kv_bytes_per_token: int = 0  # generation servables: the KV cache cost of one token
 
 
 class AgentHello(_AgentState):
@@ -131,10 +139,9 @@ class TensorSpec(BaseModel):
         return self
 
 
-class RankStatus(BaseModel):
-    """What the scheduler knows of one rank."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class RankStatus(RankReport):
+    """What the scheduler knows of one rank: its place and state, and the agent's latest
+    report."""
 
     rank: int
     stage: int
@@ -142,17 +149,6 @@ class RankStatus(BaseModel):
     heartbeat_age_s: float | None = None
     slice_checksum: str = ""
     cache: str = "off"
-    rss_bytes: int = 0
-    inflight: int = 0
-    host: str = ""
-    pid: int = 0
-    load_ms: float = 0.0
-    jobs_done: int = 0
-    compute_ms_total: float = 0.0
-    collective_ms_total: float = 0.0
-    kv_capacity_bytes: int = 0
-    kv_used_bytes: int = 0
-    sequences: int = 0
 
 
 class MethodStatus(BaseModel):

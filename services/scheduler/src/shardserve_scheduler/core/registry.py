@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardserve.repo.repository import GroupConfig
-from shardserve.wire.protocol import AgentBye, AgentHeartbeat, AgentHello, RankStatus
+from shardserve.wire.protocol import AgentBye, AgentHeartbeat, AgentHello, RankReport, RankStatus
 
 GroupKey = tuple[str, int]
 RankState = Literal["missing", "loading", "ready", "draining", "lost"]
@@ -34,24 +34,17 @@ class RankSlot:
     last_seen: float | None = None
     slice_checksum: str = ""
     cache: str = "off"
-    rss_bytes: int = 0
-    inflight: int = 0
-    host: str = ""
-    pid: int = 0
     control_key: str = ""
-    load_ms: float = 0.0
-    jobs_done: int = 0
-    compute_ms_total: float = 0.0
-    collective_ms_total: float = 0.0
-    # generation servables: the rank's KV cache budget, use and cost of one token
-    kv_capacity_bytes: int = 0
-    kv_used_bytes: int = 0
-    kv_bytes_per_token: int = 0
-    sequences: int = 0
+    kv_bytes_per_token: int = 0  # generation servables: the KV cache cost of one token
+    report: RankReport = field(default_factory=RankReport)  # the agent's latest figures
 
     @property
     def live(self) -> bool:
         return self.state in _LIVE
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        return self.report.kv_capacity_bytes
 
     def take(self, msg: AgentHello | AgentHeartbeat, now: float) -> None:
         """Record the state an agent reports (hello or heartbeat)."""
@@ -60,22 +53,13 @@ class RankSlot:
         self.last_seen = now
         self.slice_checksum = msg.slice_checksum
         self.cache = msg.cache
-        self.rss_bytes = msg.rss_bytes
-        self.inflight = msg.inflight
-        self.host = msg.host
-        self.pid = msg.pid
         self.control_key = msg.control_key
-        self.load_ms = msg.load_ms
-        self.jobs_done = msg.jobs_done
-        self.compute_ms_total = msg.compute_ms_total
-        self.collective_ms_total = msg.collective_ms_total
-        self.kv_capacity_bytes = msg.kv_capacity_bytes
-        self.kv_used_bytes = msg.kv_used_bytes
         self.kv_bytes_per_token = msg.kv_bytes_per_token
-        self.sequences = msg.sequences
+        self.report = msg  # the message is the report (and immutable)
 
     def status(self, now: float) -> RankStatus:
         age = None if self.last_seen is None else round(max(0.0, now - self.last_seen), 3)
+        figures = {name: getattr(self.report, name) for name in RankReport.model_fields}
         return RankStatus(
             rank=self.rank,
             stage=self.stage,
@@ -83,17 +67,7 @@ class RankSlot:
             heartbeat_age_s=age,
             slice_checksum=self.slice_checksum,
             cache=self.cache,
-            rss_bytes=self.rss_bytes,
-            inflight=self.inflight,
-            host=self.host,
-            pid=self.pid,
-            load_ms=self.load_ms,
-            jobs_done=self.jobs_done,
-            compute_ms_total=self.compute_ms_total,
-            collective_ms_total=self.collective_ms_total,
-            kv_capacity_bytes=self.kv_capacity_bytes,
-            kv_used_bytes=self.kv_used_bytes,
-            sequences=self.sequences,
+            **figures,
         )
 
 
@@ -311,6 +285,6 @@ def _refusal(group: GroupState, msg: AgentHello) -> str:
         )
     if slot.live and slot.instance != msg.instance:
         return _HELD_PREFIX.format(rank=msg.rank, group=group.name) + (
-            f" {slot.instance} (host {slot.host or '?'}, pid {slot.pid})"
+            f" {slot.instance} (host {slot.report.host or '?'}, pid {slot.report.pid})"
         )
     return ""
