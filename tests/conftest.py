@@ -33,9 +33,9 @@ os.environ.setdefault("SHARDSERVE_GATEWAY_GRPC_PORT", "0")
 # A unit test is pure and done in seconds. An integration test starts processes, and its
 # module's mesh starts inside the first test's limit. A heavy one (marked) exports or
 # quantizes a model, or generates at length. Generous for CI, which shares two cores.
-UNIT_TIMEOUT_S = 30
-INTEGRATION_TIMEOUT_S = 300
-HEAVY_TIMEOUT_S = 900
+UNIT_TIMEOUT_S = 60
+INTEGRATION_TIMEOUT_S = 600
+HEAVY_TIMEOUT_S = 1200
 INTEGRATION_DIR = Path(__file__).parent / "integration"
 
 
