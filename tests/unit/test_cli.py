@@ -322,6 +322,7 @@ def test_status_command_prints_a_served_grid(tmp_path: Path) -> None:
     finally:
         server.shutdown()
         thread.join()
+        server.server_close()
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("matmul v1  ready  ranks 4 x stages 1")
     assert result.stdout.count(" ready ") >= 4
