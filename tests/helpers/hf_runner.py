@@ -8,19 +8,28 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
-from shardserve.repo.repository import GroupConfig, load_group
+from shardserve.repo.repository import GroupConfig, load_group, verify_rank_files
 from shardserve.runtime.attention import StepAttention, StepLayout
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.kv_shape import cache_shape
+from shardserve.runtime.pieces import ComposedRank, open_pieces
 from shardserve.runtime.program import _default_session, run_group_locally
+from shardserve.runtime.thread_pools import set_threads
 
 Span = tuple[int, int, int]  # (seq_id, start position, tokens)
 
 
 class PackedModel:
-    def __init__(self, repo: Path, servable: str, budget: int = 1 << 26) -> None:
+    """``fused``: the ranks' composed pieces (attention in onnxruntime) serve the steps."""
+
+    def __init__(
+        self, repo: Path, servable: str, budget: int = 1 << 26, *, fused: bool = False
+    ) -> None:
         self.repo = repo
+        self.fused = fused
+        self._composed: dict[int, ComposedRank] = {}
         self.group: GroupConfig = load_group(repo, servable, 1)
         self.caches = [
             KVCache(cache_shape(self.group, r), budget) for r in range(self.group.rank_size)
@@ -31,6 +40,13 @@ class PackedModel:
         if path not in self._sessions:
             self._sessions[path] = _default_session(path)
         return self._sessions[path]
+
+    def composed(self, rank: int) -> ComposedRank:
+        if rank not in self._composed:
+            files = verify_rank_files(self.repo, self.group, rank)
+            stage = self.group.stage_of(rank)
+            self._composed[rank] = open_pieces(stage, files, _options, run_in_thread=False)
+        return self._composed[rank]
 
     def reserve(self, seq_id: int, capacity: int) -> None:
         for cache in self.caches:
@@ -51,7 +67,14 @@ class PackedModel:
         }
         contexts = [StepAttention(cache, layout) for cache in self.caches]
         results = asyncio.run(
-            run_group_locally(self.repo, self.group, inputs, self.session, attention=contexts)
+            run_group_locally(
+                self.repo,
+                self.group,
+                inputs,
+                self.session,
+                attention=contexts,
+                composed=self.composed if self.fused else None,
+            )
         )
         for other in results[1:]:
             np.testing.assert_array_equal(other["logits"], results[0]["logits"])
@@ -68,3 +91,9 @@ class PackedModel:
             tokens.append(int(np.argmax(logits[-1][-1])))
             logits.append(self.step([(seq_id, len(tokens) - 1, 1)], tokens[-1:]))
         return tokens[len(prompt) :], logits
+
+
+def _options() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    set_threads(options, 1)
+    return options

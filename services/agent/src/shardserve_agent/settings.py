@@ -56,6 +56,14 @@ SHARE_WEIGHTS_HELP = (
     "same bytes) and hand it to every session that uses it (default on). Those sessions "
     "run with weight prepacking off: a packed copy per session would undo the saving."
 )
+FUSED_HELP = (
+    "generation servables: compose the segments and attention ops between two collectives "
+    "into one onnxruntime model (attention as GroupQueryAttention over the sequence's KV "
+    "cache, bound in place), run in one go when a step is one sequence's (default on; "
+    "steps that pack several sequences run it one segment at a time, on the same weights). "
+    "Off: one session per segment and numpy attention. Not through the compile cache. See "
+    "shardserve.runtime.compose."
+)
 KV_CACHE_HELP = (
     "generation servables: the KV cache budget of this rank in MiB (sequences are admitted "
     "only while their whole length fits). Default: the smallest of 4096 MiB, 60 %% of the "
@@ -116,6 +124,7 @@ class AgentSettings:
         "--cache-mode", "standard", choices=CACHE_MODES, help=CACHE_MODE_HELP, to_field=_cache_mode
     )
     share_weights: bool = option("--share-weights", True, kind="switch", help=SHARE_WEIGHTS_HELP)
+    fused: bool = option("--fused", True, kind="switch", help=FUSED_HELP)
     max_memory_mb: int | None = option("--max-memory-mb", parse=positive_int, help=MEMORY_HELP)
     kv_cache_mb: int | None = (
         option(  # None: from free memory and the cap (generation/kv_budget.py)

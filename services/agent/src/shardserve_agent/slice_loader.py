@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.errors import RepositoryError
+from shardserve.errors import InternalError, RepositoryError
 from shardserve.process.heap import return_freed_memory
 from shardserve.repo.pack import missing_slice_message
 from shardserve.repo.repository import (
@@ -30,6 +30,8 @@ from shardserve.repo.repository import (
     verify_rank_files,
 )
 from shardserve.runtime.compile_cache import CacheStatus, CompileCache, SessionConfig
+from shardserve.runtime.kv_shape import is_generation
+from shardserve.runtime.pieces import ComposedRank, Piece, open_pieces
 from shardserve.runtime.program import OrtSegment
 from shardserve.runtime.segments import (
     Segment,
@@ -70,6 +72,9 @@ class LoadedSlice:
     disk_bytes: int
     # Holds the arrays behind the sessions' shared initializers: must live as long as they do.
     shared_weights: SharedWeights = field(default_factory=SharedWeights)
+    # Composed pieces (``--fused``) by the program index of their first op; their segments'
+    # runners in ``runners`` run over the pieces' sessions.
+    pieces: dict[int, Piece] = field(default_factory=dict)
 
     @property
     def is_leader(self) -> bool:
@@ -120,16 +125,21 @@ def _load(settings: AgentSettings) -> LoadedSlice:
         ),
     )
     started = time.perf_counter()
+    composed = _composed(settings, group, stage, files, cache.config)
+    paths = {name: path for name, path in paths.items() if name not in composed.runners}
     shared = find_shared_weights(paths) if settings.share_weights else SharedWeights()
     segments = {name: Segment(path, identities[name]) for name, path in paths.items()}
     runners, status = open_segments(cache, segments, shared)
+    runners.update(composed.runners)
     return_freed_memory()  # the model parse buffers: RSS should be the weights, not twice
     load_ms = (time.perf_counter() - started) * 1000
     _logger.info(
-        "rank %d slice loaded: %d segment(s), %.1f MB on disk, compile cache %s (%s), "
-        "%d shared weight(s) of %.1f MB, %.0f ms",
+        "rank %d slice loaded: %d segment(s) (%d in %d composed piece(s)), %.1f MB on disk, "
+        "compile cache %s (%s), %d shared weight(s) of %.1f MB, %.0f ms",
         settings.rank,
         len(runners),
+        len(composed.runners),
+        len(composed.pieces),
         disk_bytes / _MIB,
         status,
         settings.cache_mode,
@@ -147,7 +157,29 @@ def _load(settings: AgentSettings) -> LoadedSlice:
         load_ms=load_ms,
         disk_bytes=disk_bytes,
         shared_weights=shared,
+        pieces=composed.pieces,
     )
+
+
+def _composed(
+    settings: AgentSettings,
+    group: GroupConfig,
+    stage: StageSpec,
+    files: dict[str, Path],
+    config: SessionConfig,
+) -> ComposedRank:
+    """The rank's composed pieces (``--fused``, generation servables), else none."""
+    if not (settings.fused and is_generation(group)):
+        return ComposedRank({}, {})
+    try:
+        return open_pieces(stage, files, lambda: config.options(True))
+    except InternalError as exc:  # a slice the composition does not take still serves
+        _logger.warning(
+            "rank %d: not composing its pieces (%s); one session per segment",
+            settings.rank,
+            exc.message,
+        )
+        return ComposedRank({}, {})
 
 
 def _disk_bytes(settings: AgentSettings) -> int:

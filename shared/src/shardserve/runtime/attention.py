@@ -23,7 +23,7 @@ import numpy as np
 from shardserve.errors import InternalError
 from shardserve.runtime.kv_cache import KVCache
 
-__all__ = ["SequenceSpan", "StepAttention", "StepLayout", "causal_mask"]
+__all__ = ["SequenceSpan", "SoleSequence", "StepAttention", "StepLayout", "causal_mask"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,18 @@ class SequenceSpan:
     @property
     def end(self) -> int:
         return self.start + self.count
+
+
+@dataclass(frozen=True)
+class SoleSequence:
+    """A step whose rows are all one sequence's: where a composed piece attends in place."""
+
+    span: SequenceSpan
+    cache: KVCache
+
+    def layer(self, layer: int) -> np.ndarray:
+        """``[2, kv_heads, capacity, head_dim]`` of the sequence (K at [0], V at [1])."""
+        return self.cache.layer(self.span.seq_id, layer)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,11 @@ class StepAttention:
                 )
         self.cache = cache
         self.layout = layout
+
+    def sole_sequence(self) -> SoleSequence | None:
+        """The step's one sequence, None when it packs several."""
+        spans = self.layout.spans
+        return SoleSequence(spans[0], self.cache) if len(spans) == 1 else None
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [N, Hq, D], k/v [N, Hkv, D] for the step's N rows -> attention output [N, Hq*D]."""

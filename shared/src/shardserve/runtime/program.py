@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from shardserve.repo.repository import (
     StageSpec,
 )
 from shardserve.wire.tensors import BF16_DTYPE, is_bfloat16
+
+if TYPE_CHECKING:
+    from shardserve.runtime.attention import SoleSequence
 
 Env = dict[str, np.ndarray]
 
@@ -99,6 +102,33 @@ class AttentionContext(Protocol):
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray: ...
 
+    def sole_sequence(self) -> SoleSequence | None:
+        """The step's one sequence (a composed piece attends over it in place), or None."""
+        ...
+
+
+class ComposedParts(Protocol):
+    """A rank's composed pieces and the runners of the segments they hold."""
+
+    @property
+    def pieces(self) -> Mapping[int, ComposedRun]: ...
+
+    @property
+    def runners(self) -> Mapping[str, SegmentRunner]: ...
+
+
+class ComposedRun(Protocol):
+    """A composed piece of the program (ops ``first`` .. ``stop`` - 1) run in one go over
+    one sequence (``shardserve.runtime.pieces.Piece``)."""
+
+    @property
+    def stop(self) -> int: ...
+
+    @property
+    def whole(self) -> SegmentRunner: ...
+
+    def feeds(self, env: Mapping[str, np.ndarray], sole: SoleSequence) -> dict[str, np.ndarray]: ...
+
 
 async def run_stage(
     stage: StageSpec,
@@ -109,6 +139,7 @@ async def run_stage(
     stacked: int = 0,
     outputs_at_leader: bool = False,
     attention: AttentionContext | None = None,
+    pieces: Mapping[int, ComposedRun] | None = None,
 ) -> Env:
     """Run ``stage.program`` from ``inputs``; return the stage's declared outputs.
 
@@ -122,11 +153,23 @@ async def run_stage(
     at the stage leader only, where the collective can (``to_leader``); the other ranks
     then return no outputs at all (an empty mapping).
 
-    ``attention``: the context ``attention`` ops call (required when the program has one)."""
+    ``attention``: the context ``attention`` ops call (required when the program has one).
+
+    ``pieces`` (by the program index of their first op): composed pieces, each run in one
+    go instead of its ops one by one when the step's rows are one sequence's."""
     env: Env = dict(inputs)
     finals = stage.final_collectives if outputs_at_leader else frozenset()
     step = 0
+    sole = attention.sole_sequence() if attention is not None and not stacked else None
+    composed = pieces if sole is not None and pieces else {}
+    resume = 0  # the next op not run as part of a composed piece
     for index, op in enumerate(stage.program):
+        piece = composed.get(index)
+        if index < resume or piece is not None:
+            if piece is not None and sole is not None:
+                env.update(await piece.whole.run(piece.feeds(env, sole)))
+                resume = piece.stop
+            continue
         if isinstance(op, RunOp):
             runner = runners[op.file]
             feeds = {name: env[name] for name in runner.input_names}
@@ -367,10 +410,13 @@ async def run_group_locally(
     *,
     stacked: int = 0,
     attention: Sequence[AttentionContext] | None = None,
+    composed: Callable[[int], ComposedParts] | None = None,
 ) -> list[Env]:
     """Run a whole group in this process: every stage, every rank. Returns, per last-stage
     rank, its outputs (they must all be equal). ``stacked``: as for ``run_stage``;
-    ``attention``: one context per rank (indexed by rank) for programs with attention ops."""
+    ``attention``: one context per rank (indexed by rank) for programs with attention ops;
+    ``composed``: per rank, its composed pieces and their segments' runners (the
+    segments they hold are not opened on their own)."""
     from shardserve.repo.repository import verify_rank_files
 
     make = session_factory or _default_session
@@ -383,15 +429,26 @@ async def run_group_locally(
             files = verify_rank_files(repo, group, rank)
             # Only the segments the program runs: a rank may also hold ONNX external data.
             runs = {op.file for op in stage.program if isinstance(op, RunOp)}
-            runners = {
-                name: OrtSegment(make(path), run_in_thread=False)
+            parts = composed(rank) if composed is not None else None
+            held = parts.runners if parts is not None else {}
+            runners: dict[str, SegmentRunner] = {
+                name: held.get(name) or OrtSegment(make(path), run_in_thread=False)
                 for name, path in files.items()
                 if name in runs
             }
             collective = _LocalCollective(local, index)
             context = attention[rank] if attention is not None else None
+            pieces = parts.pieces if parts is not None else None
             jobs.append(
-                run_stage(stage, runners, current, collective, stacked=stacked, attention=context)
+                run_stage(
+                    stage,
+                    runners,
+                    current,
+                    collective,
+                    stacked=stacked,
+                    attention=context,
+                    pieces=pieces,
+                )
             )
         results = list(await asyncio.gather(*jobs))
         current = results[0]

@@ -278,6 +278,7 @@ class Stepper:
                 iteration.inputs,
                 offset,
                 attention=StepAttention(cache, iteration.layout),
+                pieces=self._slice.pieces,
             )
             sampled = await self._sample(outputs, iteration.sampling)
             tokens.append(sampled.tokens)
@@ -342,6 +343,7 @@ class Stepper:
             collective,
             outputs_at_leader=True,
             attention=StepAttention(cache, layout),
+            pieces=self._slice.pieces,
         )
 
     async def _sampled(self, work: StepWork, outputs: Env) -> _Sampled:

@@ -1,0 +1,243 @@
+"""A rank's composed pieces at run time: one onnxruntime session per piece
+(``shardserve.runtime.compose``), run whole over one sequence's KV cache, or one segment
+at a time for steps that pack several sequences.
+
+The whole run binds the sequence's K/V of every layer of the piece with IO binding, as
+``past_*`` and ``present_*`` of the same memory: GroupQueryAttention writes the step's new
+rows into the cache in place and reads the earlier ones from it, nothing is copied. The
+per-segment runs are ``OrtSegment``s like any other (threading, inline runs), over the
+same session, so the weights are held (and prepacked) once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from shardserve.errors import InternalError
+from shardserve.repo.repository import AttentionOp, RunOp, StageSpec
+from shardserve.runtime.attention import SoleSequence
+from shardserve.runtime.compose import (
+    FUSED,
+    GQA_ROWS,
+    SEQLENS_K,
+    TOTAL_LENGTH,
+    ComposedPiece,
+    compose_piece,
+    fed,
+    past_names,
+    piece_spans,
+    present_names,
+    run_flag,
+)
+from shardserve.runtime.program import OrtSegment
+
+__all__ = ["ComposedRank", "Piece", "compose_stage", "open_pieces"]
+
+ALL_ROWS = np.array([np.iinfo(np.int64).max], np.int64)
+ONE_ROW = np.array([1], np.int64)
+# Where a model given as bytes finds its external data (the rank folder).
+EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+@dataclass(frozen=True)
+class _Port:
+    """What OrtSegment reads of a session's inputs and outputs."""
+
+    name: str
+    type: str = "tensor(float)"
+
+
+class Piece:
+    """One composed piece of a stage program (ops ``first`` .. ``stop`` - 1) and its session."""
+
+    def __init__(
+        self,
+        first: int,
+        stop: int,
+        composed: ComposedPiece,
+        session: object,
+        run_in_thread: bool = True,
+    ) -> None:
+        self.first, self.stop = first, stop
+        self._threaded = run_in_thread
+        self.composed = composed
+        self.session = session
+        self._dummies = {
+            name: np.zeros(shape, helper.tensor_dtype_to_np_dtype(dtype))
+            for name, (dtype, shape) in composed.dummies.items()
+        }
+        self.whole = OrtSegment(_WholeView(self), run_in_thread)
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        return self.composed.inputs
+
+    def segment(self, file: str) -> OrtSegment:
+        """The runner of one of the piece's segments (steps that pack several sequences)."""
+        view = _SegmentView(self, self.composed.segments.index(file))
+        return OrtSegment(view, self._threaded)
+
+    def feeds(self, env: Mapping[str, np.ndarray], sole: SoleSequence) -> dict[str, np.ndarray]:
+        """The whole run's feeds: the piece's inputs and the sequence's K/V of its layers."""
+        feeds = {name: env[name] for name in self.composed.inputs}
+        end = sole.span.end
+        feeds[SEQLENS_K] = np.array([end - 1], np.int32)
+        feeds[TOTAL_LENGTH] = np.array(end, np.int32)
+        for layer in self.composed.layers:
+            kv = sole.layer(layer)
+            for name, half in zip(past_names(layer), kv, strict=True):
+                feeds[name] = half[None]
+        return feeds
+
+    def standing_in(self) -> dict[str, np.ndarray]:
+        """Every input's one-row stand-in (what a run that does not read it is fed)."""
+        return dict(self._dummies)
+
+
+class _SegmentView:
+    """The session seen as segment ``index``: only its If branch runs, its inputs fed."""
+
+    def __init__(self, piece: Piece, index: int) -> None:
+        self._piece = piece
+        self._index = index
+        composed = piece.composed
+        file = composed.segments[index]
+        self._reads = composed.segment_inputs[file]
+        self._makes = composed.segment_outputs[file]
+        self._outside = set(composed.inputs)
+
+    def get_inputs(self) -> list[_Port]:
+        return [_Port(name) for name in self._reads]
+
+    def get_outputs(self) -> list[_Port]:
+        return [_Port(name) for name in self._makes]
+
+    def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        full = self._piece.standing_in()
+        for name, array in feeds.items():
+            full[name if name in self._outside else fed(name)] = array
+        for index in range(len(self._piece.composed.segments)):
+            full[run_flag(index)] = np.array(index == self._index)
+        full[FUSED] = np.array(False)
+        # the unused GroupQueryAttention nodes: one row over a one-position stand-in cache
+        full[GQA_ROWS] = ONE_ROW
+        full[SEQLENS_K] = np.zeros(1, np.int32)
+        full[TOTAL_LENGTH] = np.array(1, np.int32)
+        return self._piece.session.run(output_names, full)  # type: ignore[attr-defined]
+
+
+class _WholeView:
+    """The session run whole: every segment, attention inside, K/V bound in place."""
+
+    def __init__(self, piece: Piece) -> None:
+        self._piece = piece
+        self._layers = piece.composed.layers
+
+    def get_inputs(self) -> list[_Port]:
+        return [_Port(name) for name in self._piece.composed.inputs]
+
+    def get_outputs(self) -> list[_Port]:
+        return [_Port(name) for name in self._piece.composed.outputs]
+
+    def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        piece = self._piece
+        full = piece.standing_in()
+        full.update(feeds)
+        for index in range(len(piece.composed.segments)):
+            full[run_flag(index)] = np.array(True)
+        full[FUSED] = np.array(True)
+        full[GQA_ROWS] = ALL_ROWS
+        binding = piece.session.io_binding()  # type: ignore[attr-defined]
+        caches = {name for layer in self._layers for name in past_names(layer)}
+        for name, array in full.items():
+            if name in caches:
+                _bind_cache(binding, name, array)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in output_names:
+            binding.bind_output(name, "cpu")
+        for layer in self._layers:
+            for past, present in zip(past_names(layer), present_names(layer), strict=True):
+                _bind_cache(binding, present, full[past], output=True)
+        piece.session.run_with_iobinding(binding)  # type: ignore[attr-defined]
+        return list(binding.copy_outputs_to_cpu()[: len(output_names)])
+
+
+def _bind_cache(binding: object, name: str, array: np.ndarray, *, output: bool = False) -> None:
+    """Bind a cache view by its address: past and present on the same memory."""
+    if array.dtype != np.float32 or not array.flags.c_contiguous:
+        raise InternalError(f"{name}: a KV cache view must be contiguous fp32")
+    bind = binding.bind_output if output else binding.bind_input  # type: ignore[attr-defined]
+    bind(name, "cpu", 0, np.float32, list(array.shape), array.ctypes.data)
+
+
+def compose_stage(
+    stage: StageSpec, files: Mapping[str, Path]
+) -> list[tuple[int, int, ComposedPiece]]:
+    """The stage's composed pieces ([first, stop) in its program, and the model), from the
+    rank's segment files (loaded without their external data)."""
+    program = stage.program
+    models = {
+        op.file: onnx.load(str(files[op.file]), load_external_data=False)
+        for op in program
+        if isinstance(op, RunOp)
+    }
+    result = []
+    for first, stop in piece_spans(program):
+        ops = [op for op in program[first:stop] if isinstance(op, RunOp | AttentionOp)]
+        used = {op.file: models[op.file] for op in ops if isinstance(op, RunOp)}
+        result.append((first, stop, compose_piece(ops, used, _read_after(stage, stop, models))))
+    return result
+
+
+def _read_after(stage: StageSpec, stop: int, models: Mapping[str, onnx.ModelProto]) -> set[str]:
+    """Names that ops from ``stop`` on, or the stage's outputs, read."""
+    names = set(stage.outputs)
+    for op in stage.program[stop:]:
+        if isinstance(op, AttentionOp):
+            names.update((op.q, op.k, op.v))
+        elif isinstance(op, RunOp):
+            names.update(value.name for value in models[op.file].graph.input)
+        else:
+            names.add(op.input)
+    return names
+
+
+@dataclass(frozen=True)
+class ComposedRank:
+    """A rank's composed pieces (by the program index of their first op) and the runners
+    of the segments they hold (file -> runner over the piece's session)."""
+
+    pieces: dict[int, Piece]
+    runners: dict[str, OrtSegment]
+
+
+def open_pieces(
+    stage: StageSpec,
+    files: Mapping[str, Path],
+    options: Callable[[], ort.SessionOptions],
+    *,
+    run_in_thread: bool = True,
+) -> ComposedRank:
+    """Compose the stage's pieces from the rank's verified ``files`` and open one session
+    each (``options`` makes each one's session options)."""
+    pieces: dict[int, Piece] = {}
+    for first, stop, composed in compose_stage(stage, files):
+        piece_options = options()
+        folder = files[composed.segments[0]].parent
+        piece_options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(folder))
+        session = ort.InferenceSession(
+            composed.model.SerializeToString(), piece_options, providers=["CPUExecutionProvider"]
+        )
+        pieces[first] = Piece(first, stop, composed, session, run_in_thread)
+    runners = {
+        file: piece.segment(file) for piece in pieces.values() for file in piece.composed.segments
+    }
+    return ComposedRank(pieces, runners)
