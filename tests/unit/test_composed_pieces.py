@@ -6,6 +6,7 @@ give the same values and the same cache."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -18,7 +19,8 @@ from shardserve.repo.repository import AllReduceOp, AttentionOp, RunOp
 from shardserve.runtime.attention import StepAttention, StepLayout
 from shardserve.runtime.compose import compose_piece, piece_spans
 from shardserve.runtime.kv_cache import CacheShape, KVCache
-from shardserve.runtime.pieces import Piece
+from shardserve.runtime.light_model import graph_inputs, light_model
+from shardserve.runtime.pieces import EXTERNAL_FOLDER_KEY, Piece
 
 HQ, HKV, D = 4, 2, 8
 ATTENTION = AttentionOp(layer=3, q="q", k="k", v="v", output="attn")
@@ -129,3 +131,23 @@ def test_packing_several_sequences_has_no_sole_sequence() -> None:
     cache.reserve(1, 4)
     cache.reserve(2, 4)
     assert StepAttention(cache, StepLayout([(1, 0, 2), (2, 0, 1)])).sole_sequence() is None
+
+
+def test_a_light_model_points_at_its_weights_in_the_file(tmp_path: Path) -> None:
+    """Read without its weights' bytes, a segment runs the same from its file's folder."""
+    model = segments()["s0.onnx"]
+    path = tmp_path / "s0.onnx"
+    path.write_bytes(model.SerializeToString())
+    light = light_model(path)
+    big = {t.name for t in light.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert big == {"wq", "wkv"}  # the shapes stay inline
+    assert len(light.SerializeToString()) < 1000 < path.stat().st_size
+    assert graph_inputs(path) == ("x",)
+    options = ort.SessionOptions()
+    options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(tmp_path))
+    light_session = ort.InferenceSession(light.SerializeToString(), options)
+    x = np.random.default_rng(1).standard_normal((3, HQ * D), dtype=np.float32)
+    for got, want in zip(
+        light_session.run(None, {"x": x}), _session(model).run(None, {"x": x}), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)

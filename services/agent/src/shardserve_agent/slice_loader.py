@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shardserve.errors import InternalError, RepositoryError
+from shardserve.errors import RepositoryError
 from shardserve.process.heap import return_freed_memory
 from shardserve.repo.pack import missing_slice_message
 from shardserve.repo.repository import (
@@ -173,11 +173,14 @@ def _composed(
         return ComposedRank({}, {})
     try:
         return open_pieces(stage, files, lambda: config.options(True))
-    except InternalError as exc:  # a slice the composition does not take still serves
+    except MemoryError:
+        raise
+    except Exception as exc:  # a slice the composition does not take still serves
         _logger.warning(
-            "rank %d: not composing its pieces (%s); one session per segment",
+            "rank %d: not composing its pieces (%s: %s); one session per segment",
             settings.rank,
-            exc.message,
+            type(exc).__name__,
+            exc,
         )
         return ComposedRank({}, {})
 

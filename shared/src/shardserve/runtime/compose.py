@@ -120,6 +120,7 @@ class _Composer:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outside: list[str] = []  # inputs from the stage's environment
         self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
         self.outputs: list[str] = []
         self.opsets: dict[str, int] = {MS_DOMAIN: 1}
 
@@ -144,6 +145,7 @@ class _Composer:
             "piece",
             self.inputs,
             [self._info(name) for name in self.outputs],
+            self.initializers,
         )
         model = helper.make_model(
             graph, opset_imports=[helper.make_opsetid(d, v) for d, v in self.opsets.items()]
@@ -191,6 +193,10 @@ class _Composer:
             self._input(fed(value.name), value.type.tensor_type.elem_type, _dims(value))
         self._input(run_flag(index), TensorProto.BOOL, [])
         then_branch = _branch(graph, f"s{index}/", reads)
+        # The weights live in the outer graph (onnxruntime keeps a second copy of a
+        # subgraph's own initializers); the branch reads them from the outer scope.
+        self.initializers.extend(then_branch.initializer)
+        del then_branch.initializer[:]
         else_branch = helper.make_graph(
             [helper.make_node("Identity", [fed(n)], [f"s{index}/else/{n}"]) for n in makes],
             f"segment{index}_skipped",

@@ -11,17 +11,16 @@ same session, so the weights are held (and prepacked) once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 from onnx import helper
 
 from shardserve.errors import InternalError
-from shardserve.repo.repository import AttentionOp, RunOp, StageSpec
+from shardserve.repo.repository import AttentionOp, ProgramOp, RunOp, StageSpec
 from shardserve.runtime.attention import SoleSequence
 from shardserve.runtime.compose import (
     FUSED,
@@ -36,6 +35,7 @@ from shardserve.runtime.compose import (
     present_names,
     run_flag,
 )
+from shardserve.runtime.light_model import graph_inputs, light_model
 from shardserve.runtime.program import OrtSegment
 
 __all__ = ["ComposedRank", "Piece", "compose_stage", "open_pieces"]
@@ -180,31 +180,32 @@ def _bind_cache(binding: object, name: str, array: np.ndarray, *, output: bool =
 
 def compose_stage(
     stage: StageSpec, files: Mapping[str, Path]
-) -> list[tuple[int, int, ComposedPiece]]:
+) -> Iterator[tuple[int, int, ComposedPiece]]:
     """The stage's composed pieces ([first, stop) in its program, and the model), from the
-    rank's segment files (loaded without their external data)."""
+    rank's segment files, read without their weights' bytes (``light_model``): the models
+    point at the weights in the rank's files."""
     program = stage.program
-    models = {
-        op.file: onnx.load(str(files[op.file]), load_external_data=False)
-        for op in program
-        if isinstance(op, RunOp)
-    }
-    result = []
+    reads = _segment_reads(program, files)
     for first, stop in piece_spans(program):
         ops = [op for op in program[first:stop] if isinstance(op, RunOp | AttentionOp)]
-        used = {op.file: models[op.file] for op in ops if isinstance(op, RunOp)}
-        result.append((first, stop, compose_piece(ops, used, _read_after(stage, stop, models))))
-    return result
+        models = {op.file: light_model(files[op.file]) for op in ops if isinstance(op, RunOp)}
+        yield first, stop, compose_piece(ops, models, _read_after(stage, stop, reads))
+        del models
 
 
-def _read_after(stage: StageSpec, stop: int, models: Mapping[str, onnx.ModelProto]) -> set[str]:
+def _segment_reads(program: Sequence[ProgramOp], files: Mapping[str, Path]) -> dict[str, set[str]]:
+    """What each segment reads (its graph inputs)."""
+    return {op.file: set(graph_inputs(files[op.file])) for op in program if isinstance(op, RunOp)}
+
+
+def _read_after(stage: StageSpec, stop: int, reads: Mapping[str, set[str]]) -> set[str]:
     """Names that ops from ``stop`` on, or the stage's outputs, read."""
     names = set(stage.outputs)
     for op in stage.program[stop:]:
         if isinstance(op, AttentionOp):
             names.update((op.q, op.k, op.v))
         elif isinstance(op, RunOp):
-            names.update(value.name for value in models[op.file].graph.input)
+            names.update(reads[op.file])
         else:
             names.add(op.input)
     return names
@@ -233,9 +234,8 @@ def open_pieces(
         piece_options = options()
         folder = files[composed.segments[0]].parent
         piece_options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(folder))
-        session = ort.InferenceSession(
-            composed.model.SerializeToString(), piece_options, providers=["CPUExecutionProvider"]
-        )
+        model = composed.model.SerializeToString()
+        session = ort.InferenceSession(model, piece_options, providers=["CPUExecutionProvider"])
         pieces[first] = Piece(first, stop, composed, session, run_in_thread)
     runners = {
         file: piece.segment(file) for piece in pieces.values() for file in piece.composed.segments
