@@ -130,7 +130,8 @@ class _SegmentView:
         full[GQA_ROWS] = ONE_ROW
         full[SEQLENS_K] = np.zeros(1, np.int32)
         full[TOTAL_LENGTH] = np.array(1, np.int32)
-        return self._piece.session.run(output_names, full)  # type: ignore[attr-defined]
+        outputs: list[np.ndarray] = self._piece.session.run(output_names, full)  # type: ignore[attr-defined]
+        return outputs
 
 
 class _WholeView:
