@@ -18,10 +18,15 @@ from shardserve_scheduler.leadership import Leadership
 
 @dataclass
 class FakeToken:
+    channel: object = field(default_factory=object)
     rejected: list[bool] = field(default_factory=list)
+    acked: int = 0
 
     async def reject(self, requeue: bool = False) -> None:
         self.rejected.append(requeue)
+
+    async def ack(self) -> None:
+        self.acked += 1
 
 
 @dataclass
@@ -66,14 +71,29 @@ class Shell:
         self.events.append(f"depose: {why}")
 
 
-def make() -> tuple[Leadership, FakeBroker, Shell]:
+@dataclass
+class ManualClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: ManualClock | None = None) -> tuple[Leadership, FakeBroker, Shell]:
     broker, shell = FakeBroker(), Shell()
-    lead = Leadership(cast(Broker, broker), "s1", shell.elect, shell.depose)
+    lead = Leadership(
+        cast(Broker, broker),
+        "s1",
+        shell.elect,
+        shell.depose,
+        renew_every=600.0,
+        clock=clock or ManualClock(),
+    )
     return lead, broker, shell
 
 
-async def deliver(lead: Leadership) -> FakeToken:
-    token = FakeToken()
+async def deliver(lead: Leadership, channel: object | None = None) -> FakeToken:
+    token = FakeToken() if channel is None else FakeToken(channel=channel)
     await lead._on_token(cast(Any, token))
     await lead._step()
     return token
@@ -149,3 +169,62 @@ async def test_a_failed_election_gives_the_token_back(monkeypatch: pytest.Monkey
     assert not lead.active
     assert token.rejected == [True]  # requeued, so it is delivered (and tried) again
     assert shell.events[-1].startswith("depose: could not take up the leadership")
+
+
+async def renewing(clock: ManualClock) -> tuple[Leadership, FakeBroker, Shell, FakeToken]:
+    """An active scheduler whose token is due for renewal and was just acked."""
+    lead, broker, shell = make(clock)
+    held = await deliver(lead)
+    clock.now += 600.0
+    await lead._step()
+    return lead, broker, shell, held
+
+
+async def test_renewal_acks_the_held_token_once_a_successor_waits() -> None:
+    """RabbitMQ's consumer_timeout (30 min) would close the channel of a token held
+    unacked for longer, deposing the leader: renewing hands it a fresh token first."""
+    clock = ManualClock()
+    lead, broker, shell, held = await renewing(clock)
+    assert broker.published == [topology.SCHEDULER_LEADER_QUEUE]  # the successor
+    assert held.acked == 1
+    await deliver(lead, held.channel)  # the single active consumer receives it
+    assert lead.active and lead.renewals == 1
+    assert shell.events == ["elect"]  # one leadership throughout: nothing failed
+
+
+async def test_renewal_is_not_due_before_its_time() -> None:
+    clock = ManualClock()
+    lead, broker, _ = make(clock)
+    held = await deliver(lead)
+    clock.now += 599.0
+    await lead._step()
+    assert held.acked == 0 and broker.published == []
+
+
+async def test_leadership_renews_again_and_again() -> None:
+    clock = ManualClock()
+    lead, broker, shell, held = await renewing(clock)
+    for _ in range(3):
+        broker.waiting = 0  # the successor was delivered: none waits
+        held = await deliver(lead, held.channel)
+        clock.now += 600.0
+        await lead._step()
+        assert held.acked == 1
+    assert lead.renewals == 3 and shell.events == ["elect"]
+
+
+async def test_a_delivery_on_another_channel_while_renewing_is_a_new_leadership() -> None:
+    clock = ManualClock()
+    lead, _, shell, _ = await renewing(clock)
+    await deliver(lead, object())  # the channel died meanwhile: a restored consumer's
+    assert lead.active and lead.renewals == 0
+    assert shell.events == ["elect", "depose: the scheduler's broker channel was replaced", "elect"]
+
+
+async def test_a_successor_that_never_comes_ends_the_leadership() -> None:
+    clock = ManualClock()
+    lead, _, shell, _ = await renewing(clock)
+    clock.now += leadership.RENEW_GRACE_SECONDS
+    await lead._step()
+    assert not lead.active
+    assert shell.events[-1] == "depose: the renewed leadership token did not come back"

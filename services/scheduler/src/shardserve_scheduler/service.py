@@ -128,7 +128,11 @@ class SchedulerService:
         self._request_consumer = ""
         self._request_queue = topology.request_queue_name(settings.request_queue)
         self.leadership = Leadership(
-            self.broker, settings.scheduler_id, self._become_active, self._step_down
+            self.broker,
+            settings.scheduler_id,
+            self._become_active,
+            self._step_down,
+            renew_every=settings.leader_renew_seconds,
         )
         self.sender = ActionSender(
             self.broker,

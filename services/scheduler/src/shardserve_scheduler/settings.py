@@ -73,6 +73,14 @@ class SchedulerSettings:
         help="seconds without heartbeat after which a rank is lost (default 3)",
     )
     max_inflight: int = option("--max-inflight", 64, parse=positive_int, help=MAX_INFLIGHT_HELP)
+    leader_renew_seconds: float = option(
+        "--leader-renew-seconds",
+        600.0,
+        parse=positive_float,
+        help="how often the active scheduler renews its leadership token; keep it well "
+        "under RabbitMQ's consumer_timeout (30 min by default), which closes the channel "
+        "of a delivery held unacked longer (default 600)",
+    )
     status_interval: float = option(
         "--status-interval",
         1.0,
