@@ -12,6 +12,7 @@ The method is part of the KServe model name: ``POST /v2/models/<servable>:<metho
 from __future__ import annotations
 
 import asyncio
+import io
 import ssl
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
@@ -28,6 +29,10 @@ from shardserve.client.values import as_instance, datatype_of
 from shardserve.errors import DeadlineError, InferenceError
 
 Result = dict[str, np.ndarray]
+
+# Past this, aiohttp sends a bytes body in one write that may hold the event loop (it
+# warns); a file-like body goes out in chunks.
+LARGE_BODY_BYTES = 1 << 20
 TlsOption = bool | ssl.SSLContext
 
 
@@ -240,7 +245,8 @@ class AsyncClient:
     async def _exchange(self, body: bytes, headers: dict[str, str]) -> tuple[int, Any, bytes]:
         session = self._get_session()
         try:
-            async with session.post(self.infer_url, data=body, headers=headers) as response:
+            data = io.BytesIO(body) if len(body) > LARGE_BODY_BYTES else body
+            async with session.post(self.infer_url, data=data, headers=headers) as response:
                 return response.status, response.headers, await response.read()
         except TimeoutError:
             raise DeadlineError(
