@@ -159,24 +159,29 @@ def quality(run: Any) -> None:
         version = export(folder, repo, label, precision, block, level)
         measured = measure(run_prefill(repo, label, ids), ids, rank_bytes(version))
         base = base or measured
-        report(run, label, measured, base, block, level, started)
+        setting = {"checkpoint": folder.name, "tokens": len(ids), "block_size": block}
+        report(run, label, measured, base, {**setting, "accuracy_level": level}, started)
     started = time.monotonic()
     version = export_peer(folder, repo, run.work)
     measured = measure(run_prefill(repo, PEER_LABEL, ids), ids, rank_bytes(version))
-    report(run, PEER_LABEL, measured, base or measured, 32, 4, started)
+    setting = {"checkpoint": folder.name, "tokens": len(ids), "block_size": 32}
+    report(run, PEER_LABEL, measured, base or measured, {**setting, "accuracy_level": 4}, started)
 
 
 def report(
-    run: Any, label: str, measured: Quality, base: Quality, block: int, level: int, started: float
+    run: Any,
+    label: str,
+    measured: Quality,
+    base: Quality,
+    setting: dict[str, Any],
+    started: float,
 ) -> None:
-    """Record one precision's row against fp32's and print it with its verdict."""
+    """Record one precision's row against fp32's (``setting``: what it was measured on)
+    and print it with its verdict."""
     ratio = measured.perplexity / base.perplexity
     agreement = float(np.mean(measured.argmax == base.argmax))
     run.results[f"quality.{label}"] = {
-        "checkpoint": checkpoint_folder().name,
-        "tokens": int(base.argmax.shape[0]) + 1,
-        "block_size": block,
-        "accuracy_level": level,
+        **setting,
         "perplexity": round(measured.perplexity, 4),
         "perplexity_ratio": round(ratio, 4),
         "top1_agreement": round(agreement, 4),
