@@ -25,7 +25,6 @@ from shardserve.process.lifecycle import request_id_var
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.program import Env, run_stage
 from shardserve.wire.protocol import (
-    ErrorInfo,
     Message,
     SequencesFree,
     StageResult,
@@ -33,8 +32,8 @@ from shardserve.wire.protocol import (
     StepResult,
     StepWork,
 )
-from shardserve.wire.tensors import Tensor
 from shardserve_agent.generation.steps import Stepper
+from shardserve_agent.results import Timing, stage_done, stage_failed
 from shardserve_agent.slice_loader import LoadedSlice
 from shardserve_agent.work_checks import (
     describe_failure,
@@ -203,29 +202,9 @@ class StageWorker:
             # the others: the leader's result answers for this rank (the scheduler expects
             # no other; only an error is sent).
             return None
-        return self._result(work, tensors, digest, compute_ms, collective.wait_ms)
-
-    def _result(
-        self,
-        work: StageWork,
-        tensors: dict[str, Tensor],
-        digest: str,
-        compute_ms: float,
-        collective_ms: float,
-    ) -> StageResult:
-        # Built from values made here (not from the wire): no re-validation needed.
-        return StageResult.model_construct(
-            job=work.job,
-            servable=work.servable,
-            version=work.version,
-            stage=work.stage,
-            rank=self._slice.rank,
-            digest=digest,
-            outputs=tensors if self._slice.is_leader else None,
-            error=None,
-            compute_ms=compute_ms,
-            collective_ms=collective_ms,
-        )
+        shipped = tensors if self._slice.is_leader else None
+        timing = Timing(compute_ms, collective.wait_ms)
+        return stage_done(work, self._slice.rank, shipped, digest, timing)
 
     async def _computed(self, work: StageWork, collective: JobCollective) -> Env:
         """This rank's stage program run on the work's inputs (its peers in ``collective``)."""
@@ -254,14 +233,7 @@ class StageWorker:
         return compute_ms
 
     def _error(self, work: StageWork, code: ErrorCode, message: str) -> StageResult:
-        return StageResult(
-            job=work.job,
-            servable=work.servable,
-            version=work.version,
-            stage=work.stage,
-            rank=self._slice.rank,
-            error=ErrorInfo(code=code, message=message),
-        )
+        return stage_failed(work, self._slice.rank, code, message)
 
     async def _send(self, result_to: str, result: StageResult | StepResult) -> None:
         try:

@@ -8,6 +8,30 @@ from dataclasses import dataclass, field
 
 from shardserve_gateway.mesh_metrics import labels
 
+# The 1-2.5-5 series of bucket bounds, in seconds, from 1 ms to 30 s; each histogram takes
+# the span it needs (``seconds_buckets``) so the gateway's histograms line up bound for bound.
+SECONDS_SERIES: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+
+
+def seconds_buckets(low: float, high: float) -> tuple[float, ...]:
+    """The bounds of ``SECONDS_SERIES`` from ``low`` to ``high``, both included."""
+    return tuple(bound for bound in SECONDS_SERIES if low <= bound <= high)
+
 
 @dataclass
 class Histogram:

@@ -32,24 +32,11 @@ from collections import defaultdict
 
 from shardserve.wire.protocol import MeshStatus
 from shardserve_gateway.generation.metrics import GenerationMetrics
-from shardserve_gateway.histogram import Histogram
+from shardserve_gateway.histogram import Histogram, seconds_buckets
 from shardserve_gateway.mesh_metrics import render_mesh
 
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
+# A request may run a minute (a long pipeline, a big batch): one bound past the series.
+LATENCY_BUCKETS_S = (*seconds_buckets(0.005, 30.0), 60.0)
 UNKNOWN = "_unknown"
 
 Labels = tuple[str, str]

@@ -30,7 +30,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,21 +39,14 @@ from shardserve.runtime.attention import StepAttention, StepLayout
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.program import Env, run_stage
 from shardserve.runtime.sampling import sample_rows
-from shardserve.wire.protocol import (
-    ErrorInfo,
-    RowSampling,
-    SequencesFree,
-    StepResult,
-    StepWork,
-    TokenLogprob,
-)
-from shardserve.wire.tensors import Tensor
+from shardserve.wire.protocol import RowSampling, SequencesFree, StepResult, StepWork
 from shardserve_agent.generation.decode_runs import (
     Iteration,
     OffsetCollective,
     collectives_per_run,
     tokens_digest,
 )
+from shardserve_agent.results import Sampled, StepOutcome, Timing, step_done, step_failed
 from shardserve_agent.slice_loader import LoadedSlice
 from shardserve_agent.work_checks import (
     OFF_LOOP_BYTES,
@@ -79,24 +71,6 @@ class StepFailedError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-
-
-@dataclass(frozen=True)
-class _Sampled:
-    tokens: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob | None, ...] = ()
-    broken: tuple[int, ...] = ()  # rows not finite: their sequences end (sample_rows)
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    """What a step computed on this rank, before it becomes a StepResult."""
-
-    digest: str
-    sampled: _Sampled
-    outputs: dict[str, Tensor] | None = None  # shipped: a middle stage's leader
-    iteration: int = 0
-    answers: bool = True  # False: combined at the leader, whose result answers for us
 
 
 async def _no_publish(result_to: str, result: StepResult) -> None:
@@ -251,20 +225,22 @@ class Stepper:
         compute_ms = self._account(work.stage, started, collective.wait_ms)
         if not outcome.answers:
             return None
-        return self._result(work, outcome, compute_ms, collective.wait_ms, cache.used_bytes)
+        return self._result(work, outcome, Timing(compute_ms, collective.wait_ms))
 
-    async def _single(self, work: StepWork, cache: KVCache, collective: JobCollective) -> _Outcome:
+    async def _single(
+        self, work: StepWork, cache: KVCache, collective: JobCollective
+    ) -> StepOutcome:
         """One pass of the stage over the step's rows."""
         outputs = await self._computed(work, cache, collective)
         tensors, digest = await finished(outputs)
         sampled = await self._sampled(work, outputs)
         ships = self._slice.is_leader and not self._last_stage
         answers = bool(outputs) or not self._slice.stage.outputs
-        return _Outcome(digest, sampled, tensors if ships else None, answers=answers)
+        return StepOutcome(digest, sampled, tensors if ships else None, answers=answers)
 
     async def _decode_run(
         self, work: StepWork, cache: KVCache, collective: JobCollective
-    ) -> _Outcome:
+    ) -> StepOutcome:
         """``work.decode_steps`` passes, each over the tokens the last one sampled."""
         leader = self._slice.is_leader
         iteration = Iteration.first(work, self._slice.stage.inputs, logprobs=leader)
@@ -284,19 +260,19 @@ class Stepper:
             tokens.append(sampled.tokens)
             if iteration.index == work.decode_steps - 1:
                 break
-            await self._report(work, iteration.index, sampled, cache)
+            await self._report(work, iteration.index, sampled)
             await self._between_iterations(work)
             iteration = iteration.next(sampled.tokens)
-        return _Outcome(
-            tokens_digest(tokens), sampled if leader else _Sampled(), iteration=iteration.index
+        return StepOutcome(
+            tokens_digest(tokens), sampled if leader else Sampled(), iteration=iteration.index
         )
 
-    async def _report(self, work: StepWork, index: int, sampled: _Sampled, cache: KVCache) -> None:
+    async def _report(self, work: StepWork, index: int, sampled: Sampled) -> None:
         """The leader streams an iteration's tokens before the run ends (not the last)."""
         if not self._slice.is_leader:
             return
-        outcome = _Outcome("", sampled, iteration=index)
-        await self._publish(work.result_to, self._result(work, outcome, 0.0, 0.0, cache.used_bytes))
+        outcome = StepOutcome("", sampled, iteration=index)
+        await self._publish(work.result_to, self._result(work, outcome, Timing()))
 
     async def _between_iterations(self, work: StepWork) -> None:
         """Stop a run that was cancelled or is out of time before its next iteration."""
@@ -309,27 +285,11 @@ class Stepper:
                 "decode iterations"
             )
 
-    def _result(
-        self, work: StepWork, outcome: _Outcome, compute_ms: float, wait_ms: float, used: int
-    ) -> StepResult:
-        # Built from values made here (not from the wire): no re-validation needed.
-        return StepResult.model_construct(
-            step=work.step,
-            servable=work.servable,
-            version=work.version,
-            stage=work.stage,
-            rank=self._slice.rank,
-            digest=outcome.digest,
-            outputs=outcome.outputs,
-            tokens=outcome.sampled.tokens,
-            logprobs=outcome.sampled.logprobs,
-            broken_rows=outcome.sampled.broken,
-            error=None,
-            compute_ms=compute_ms,
-            collective_ms=wait_ms,
-            kv_used_bytes=used,
-            iteration=outcome.iteration,
-        )
+    def _result(self, work: StepWork, outcome: StepOutcome, timing: Timing) -> StepResult:
+        return step_done(work, self._slice.rank, outcome, timing, self._kv_used())
+
+    def _kv_used(self) -> int:
+        return self.cache.used_bytes if self.cache else 0
 
     async def _computed(self, work: StepWork, cache: KVCache, collective: JobCollective) -> Env:
         """This rank's stage program over the step's rows (its peers in ``collective``)."""
@@ -346,13 +306,13 @@ class Stepper:
             pieces=self._slice.pieces,
         )
 
-    async def _sampled(self, work: StepWork, outputs: Env) -> _Sampled:
+    async def _sampled(self, work: StepWork, outputs: Env) -> Sampled:
         """The next token of each logit row, on the last stage's leader; else nothing."""
         if not (self._last_stage and self._slice.is_leader):
-            return _Sampled()
+            return Sampled()
         return await self._sample(outputs, work.sampling)
 
-    async def _sample(self, outputs: Env, rows: tuple[RowSampling, ...]) -> _Sampled:
+    async def _sample(self, outputs: Env, rows: tuple[RowSampling, ...]) -> Sampled:
         logits = outputs.get(LOGITS)
         if logits is None:
             raise StepFailedError(
@@ -365,7 +325,7 @@ class Stepper:
             sampled = sample_rows(logits, rows)
         if sampled.broken:
             _logger.warning("logit rows %s are not finite: their sequences end", sampled.broken)
-        return _Sampled(tuple(sampled.tokens), tuple(sampled.logprobs), sampled.broken)
+        return Sampled(tuple(sampled.tokens), tuple(sampled.logprobs), sampled.broken)
 
     def _forget(self, work: StepWork, cache: KVCache) -> None:
         """Free every sequence the step touches (see the module docstring)."""
@@ -375,12 +335,4 @@ class Stepper:
             cache.free(reservation.seq)
 
     def _error(self, work: StepWork, code: ErrorCode, message: str) -> StepResult:
-        return StepResult(
-            step=work.step,
-            servable=work.servable,
-            version=work.version,
-            stage=work.stage,
-            rank=self._slice.rank,
-            error=ErrorInfo(code=code, message=message),
-            kv_used_bytes=self.cache.used_bytes if self.cache else 0,
-        )
+        return step_failed(work, self._slice.rank, code, message, self._kv_used())

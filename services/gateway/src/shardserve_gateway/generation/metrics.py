@@ -18,26 +18,11 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from shardserve.wire.protocol import GenerateChunk
-from shardserve_gateway.histogram import Histogram
+from shardserve_gateway.histogram import Histogram, seconds_buckets
 from shardserve_gateway.mesh_metrics import labels
 
 # A decode step is milliseconds to a second; a first token can wait in the queue for long.
-TOKEN_BUCKETS_S: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+TOKEN_BUCKETS_S = seconds_buckets(0.001, 30.0)
 
 
 HISTOGRAMS = (

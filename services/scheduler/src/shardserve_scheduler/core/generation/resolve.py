@@ -1,6 +1,6 @@
 """From a GenerateRequest to a Target: the version to run it on and its prompt ids.
 
-Version 0 means the highest ready version, as for InferRequests (same rules, same
+The servable and version are found as for InferRequests (``lookup``: same rules, same
 messages); the version must be a text-generation servable and its group ready. The prompt
 is tokenized here (text), rendered with the chat template and tokenized (messages), or
 checked against the vocabulary (ids). Every refusal is an InferenceError.
@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shardserve.errors import BadInputError, NotFoundError, RepositoryError, UnavailableError
+from shardserve.errors import BadInputError, RepositoryError, UnavailableError
 from shardserve.repo.repository import GroupConfig
 from shardserve.text.tokenizer import TextModel
 from shardserve.wire.protocol import GenerateRequest
 from shardserve_scheduler.core.catalog import Catalog
+from shardserve_scheduler.core.lookup import check_group_ready, find_version
 from shardserve_scheduler.core.registry import Registry
-from shardserve_scheduler.core.resolve import _check_group_ready, _pick_version
 
 TextLoader = Callable[[GroupConfig], TextModel]
 
@@ -52,23 +52,18 @@ def place_generation(
     catalog: Catalog, registry: Registry, texts: TextLoader, request: GenerateRequest
 ) -> Placement:
     """The version to run a request on (cheap: no tokenizing), or the InferenceError."""
-    servable = catalog.servables.get(request.servable)
-    if servable is None:
-        known = ", ".join(sorted(catalog.servables)) or "none"
-        raise NotFoundError(f"servable {request.servable!r} not found; servables: {known}")
-    if servable.problem:
-        raise UnavailableError(f"servable {servable.name} is unavailable: {servable.problem}")
-    entry = _pick_version(catalog, servable, registry, request.version)
+    entry = find_version(catalog, registry, request.servable, request.version)
+    name = entry.group.servable
     if not entry.generation:
         raise BadInputError(
-            f"servable {servable.name} version {entry.group.version} is not a text-generation "
+            f"servable {name} version {entry.group.version} is not a text-generation "
             "servable; call its methods with an inference request"
         )
-    _check_group_ready(registry, entry)
+    check_group_ready(registry, entry)
     try:
         text = texts(entry.group)
     except RepositoryError as exc:
-        raise UnavailableError(f"servable {servable.name} has no usable tokenizer: {exc}") from exc
+        raise UnavailableError(f"servable {name} has no usable tokenizer: {exc}") from exc
     return Placement(entry.group, text, _max_positions(entry.group))
 
 
