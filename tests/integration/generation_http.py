@@ -55,6 +55,21 @@ def start_mesh(
 
 
 @contextlib.contextmanager
+def fixture_mesh(
+    amqp_url: str, tmp: pytest.TempPathFactory, name: str, rank_size: int = 1
+) -> Iterator[LocalMesh]:
+    """The llama fixture exported at TP ``rank_size`` as ``name``, served by one
+    `shardserve up` with gRPC on a free port."""
+    repo = tmp.mktemp("repo")
+    export_hf(FIXTURE, repo, rank_size=rank_size, name=name)
+    mesh = start_mesh(repo, amqp_url, tmp.mktemp("mesh") / "mesh.log", grpc_port=free_port())
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+@contextlib.contextmanager
 def layouts_mesh(
     amqp_url: str, tmp: pytest.TempPathFactory, env: Mapping[str, str] | None = None
 ) -> Iterator[LocalMesh]:

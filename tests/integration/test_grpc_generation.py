@@ -17,17 +17,15 @@ import openai
 import pytest
 import tritonclient.grpc as triton
 
-from shardserve.ops.child_mesh import LocalMesh, free_port
-from shardserve.tools.export.hf import export_hf
+from shardserve.ops.child_mesh import LocalMesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import (
-    FIXTURE,
     REFERENCE,
+    fixture_mesh,
     idle,
     kv_used,
     servable_status,
-    start_mesh,
     wait_for,
 )
 
@@ -40,14 +38,8 @@ Answer = tuple[Any, Any]  # (InferResult | None, InferenceServerException | None
 
 @pytest.fixture(scope="module")
 def mesh(isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalMesh]:
-    repo = tmp_path_factory.mktemp("repo")
-    export_hf(FIXTURE, repo, rank_size=2, name=SERVABLE)
-    log = tmp_path_factory.mktemp("mesh") / "mesh.log"
-    mesh = start_mesh(repo, isolated_amqp_url, log, grpc_port=free_port())
-    try:
+    with fixture_mesh(isolated_amqp_url, tmp_path_factory, SERVABLE, rank_size=2) as mesh:
         yield mesh
-    finally:
-        mesh.stop()
 
 
 @pytest.fixture

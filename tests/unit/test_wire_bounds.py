@@ -16,7 +16,13 @@ from pydantic import ValidationError
 
 from shardserve.errors import CodecError
 from shardserve.wire import codec
-from shardserve.wire.bounds import MAX_PROMPT_BYTES, MAX_TOKEN_ID, MIN_TEMPERATURE
+from shardserve.wire.bounds import (
+    MAX_ARRAY_ITEMS,
+    MAX_PROMPT_BYTES,
+    MAX_STR_BYTES,
+    MAX_TOKEN_ID,
+    MIN_TEMPERATURE,
+)
 from shardserve.wire.protocol import GenerateCancel, GenerateRequest, SamplingParams
 
 
@@ -40,6 +46,7 @@ def test_whatever_validates_encodes_and_decodes_to_itself(
     for fields in (
         {"prompt": prompt, "sampling": {"top_k": top_k, "stop": stop}},
         {"prompt_ids": ids, "sampling": {"stop_token_ids": ids}},
+        {"prompt": prompt, "sampling": {"logit_bias": [{"token_id": i, "bias": 1} for i in ids]}},
     ):
         try:
             message = request(**fields)
@@ -65,6 +72,19 @@ def test_limits_name_themselves() -> None:
     with pytest.raises(ValidationError, match="surrogate|unicode"):
         GenerateCancel(reply_to="q\ud800", correlation_id="c")
     assert request(prompt_ids=[MAX_TOKEN_ID]).prompt_ids == (MAX_TOKEN_ID,)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"prompt": "x" * (MAX_STR_BYTES + 1)}, f"a string of {MAX_STR_BYTES + 1} bytes"),
+        ({"prompt_ids": [1] * (MAX_ARRAY_ITEMS + 1)}, f"an array of {MAX_ARRAY_ITEMS + 1} items"),
+    ],
+)
+def test_the_decoder_names_the_limit_a_message_is_past(fields: dict[str, Any], words: str) -> None:
+    raw = request().model_dump(exclude={"prompt"}) | fields
+    with pytest.raises(CodecError, match=f"{words} exceeds the wire's limit of"):
+        codec.decode(msgpack.packb(raw))
 
 
 def test_a_temperature_below_the_minimum_is_greedy() -> None:

@@ -47,6 +47,7 @@ CASES = [
     ("/v1/completions", completion(prompt=[1, HUGE]), "prompt_ids", "2147483647"),
     ("/v1/completions", completion(prompt=LONE), "prompt", "unpaired surrogate"),
     ("/v1/completions", completion(stop=[LONE]), "stop", "unpaired surrogate"),
+    ("/v1/completions", completion(logit_bias={str(HUGE): 1}), "logit_bias", "2147483647"),
     ("/v1/completions", completion(prompt=TOO_LONG), "prompt", f"limit of {MAX_PROMPT_BYTES}"),
     ("/v1/chat/completions", chat(LONE), "content", "unpaired surrogate"),
     ("/v1/chat/completions", chat(TOO_LONG), "content", f"limit of {MAX_PROMPT_BYTES}"),

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
-from shardserve.errors import InferenceError
+from shardserve.errors import CodecError, InferenceError
 from shardserve.wire import topology
 from shardserve.wire.protocol import (
     AgentBye,
@@ -72,6 +72,7 @@ from shardserve_scheduler.leadership import Leadership
 from shardserve_scheduler.repository_changes import RepositoryChanges
 from shardserve_scheduler.sender import ActionSender, CancelConsumer, SendVerdict
 from shardserve_scheduler.settings import SchedulerSettings
+from shardserve_scheduler.unreadable import answer_unreadable
 
 _logger = logging.getLogger(__name__)
 
@@ -237,7 +238,10 @@ class SchedulerService:
             _logger.warning("could not say hello to the agents: %s", exc)
         await unbind_other_request_queue(self.broker, self.settings.request_queue)
         self._request_consumer = await self.broker.consume(
-            self._request_queue, self._on_request, prefetch=REQUEST_PREFETCH
+            self._request_queue,
+            self._on_request,
+            prefetch=REQUEST_PREFETCH,
+            on_undecodable=self._on_unreadable_request,
         )
         self._status_changed.set()
 
@@ -292,6 +296,17 @@ class SchedulerService:
             return
         # Settled once per message, after all its requests: a bundle's requests share jobs.
         self._emit([*actions, *self.machine.settle(self.clock())])
+
+    async def _on_unreadable_request(
+        self, incoming: AbstractIncomingMessage, problem: CodecError
+    ) -> None:
+        """A request body the decoder refused (already dead-lettered): its sender is
+        answered when its properties say how (``unreadable``)."""
+        answer = answer_unreadable(
+            incoming.reply_to, incoming.correlation_id, incoming.type, str(problem)
+        )
+        if answer is not None:
+            self._emit([answer])
 
     async def _dead_letter_request(
         self, message: Message, incoming: AbstractIncomingMessage

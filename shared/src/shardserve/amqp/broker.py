@@ -61,6 +61,9 @@ _BROKER_UNAVAILABLE = (
 )
 
 MessageHandler = Callable[[Message, AbstractIncomingMessage], Awaitable[None]]
+# Told of a delivery that does not decode, after it is dead-lettered (e.g. to answer its
+# sender, whose AMQP properties survive a body that cannot be read).
+UndecodableHandler = Callable[[AbstractIncomingMessage, CodecError], Awaitable[None]]
 
 # Bounds one connect attempt, so a node that black-holes packets is left for the next.
 CONNECT_TIMEOUT_S = 5.0
@@ -346,8 +349,10 @@ class Broker:
         prefetch: int,
         exclusive: bool = False,
         no_ack: bool = False,
+        on_undecodable: UndecodableHandler | None = None,
     ) -> str:
-        """Consume a declared queue on its own channel; bad messages are dead-lettered.
+        """Consume a declared queue on its own channel; bad messages are dead-lettered
+        (and then handed to ``on_undecodable`` when given).
 
         ``no_ack``: the broker forgets a message once sent (no ack frame per delivery). Only
         for queues that die with their consumer (a reply, result or collective queue):
@@ -362,7 +367,7 @@ class Broker:
         order = InOrder()
 
         async def on_message(incoming: AbstractIncomingMessage) -> None:
-            await self._dispatch(incoming, queue, handler, order)
+            await self._dispatch(incoming, queue, handler, order, on_undecodable)
 
         tag = await q.consume(on_message, exclusive=exclusive, no_ack=no_ack)
         self._consumers[tag] = q
@@ -430,10 +435,11 @@ class Broker:
         queue: str,
         handler: MessageHandler,
         order: InOrder,
+        on_undecodable: UndecodableHandler | None = None,
     ) -> None:
         before, mine = order.ticket()
         try:
-            message = await self._decoded(incoming, queue)
+            message = await self._decoded(incoming, queue, on_undecodable)
             if before is not None:
                 await before  # the previous delivery has reached its handler
         finally:
@@ -443,7 +449,12 @@ class Broker:
         async with incoming.process(requeue=False, ignore_processed=True):
             await handler(message, incoming)
 
-    async def _decoded(self, incoming: AbstractIncomingMessage, queue: str) -> Message | None:
+    async def _decoded(
+        self,
+        incoming: AbstractIncomingMessage,
+        queue: str,
+        on_undecodable: UndecodableHandler | None = None,
+    ) -> Message | None:
         """The delivery's message; None when there is nothing to hand over (a chunk of a
         message still incomplete, or a bad message, dead-lettered here)."""
         whole = None
@@ -463,6 +474,8 @@ class Broker:
             held = [] if whole is None else list(whole.held())
             if held:  # the chunks before this one make the same bad message
                 await self._dead_letter_chunks(held, f"its message: {exc}")
+            if on_undecodable is not None:
+                await on_undecodable(incoming, exc)
             message = None
         if message is None and not incoming.processed:
             await incoming.ack()

@@ -9,6 +9,7 @@ consumer can dead-letter the message and keep running.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from typing import Any, TypeVar
 
@@ -179,8 +180,29 @@ def decode(body: bytes) -> Message:
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types; all mean "bad bytes"
-        raise CodecError(f"not valid msgpack: {type(exc).__name__}: {exc}") from exc
+        raise CodecError(
+            _past_limit(exc) or f"not valid msgpack: {type(exc).__name__}: {exc}"
+        ) from exc
     return _validate(raw)
+
+
+_PAST_LIMIT = re.compile(r"(\d+) exceeds max_(str|array|map|bin)_len\((\d+)\)")
+_LIMITED = {
+    "str": "a string of {} bytes",
+    "array": "an array of {} items",
+    "map": "a map of {} entries",
+    "bin": "a byte string of {} bytes",
+}
+
+
+def _past_limit(exc: Exception) -> str | None:
+    """msgpack's "N exceeds max_str_len(M)" in words naming the limit (what a sender of a
+    too-long prompt reads in its error)."""
+    found = _PAST_LIMIT.fullmatch(str(exc))
+    if found is None:
+        return None
+    size, kind, limit = found.groups()
+    return f"{_LIMITED[kind].format(size)} exceeds the wire's limit of {limit}"
 
 
 def _validate(raw: Any) -> Message:

@@ -31,8 +31,8 @@ class LogitBias(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    token_id: int = Field(ge=0)
-    bias: float = Field(ge=-100.0, le=100.0)
+    token_id: TokenId
+    bias: float = Field(ge=-100.0, le=100.0, allow_inf_nan=False)
 
 
 class SamplingParams(BaseModel):

@@ -113,19 +113,22 @@ class _Common(BaseModel):
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[LogitBias, ...] | None:
-    """OpenAI's map of token id (a JSON key: a string) to bias, checked entry by entry."""
+    """OpenAI's map of token id (a JSON key: a string) to bias, each entry checked by the
+    wire's LogitBias (its bounds: a 400 naming the token)."""
     if bias is None:
         return None
     entries = []
     for key, value in bias.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):  # (int() refuses "²", a digit)
             raise ParamError(f"logit_bias: {key!r} is not a token id", "logit_bias")
-        if not -100.0 <= value <= 100.0:
+        try:
+            entries.append(LogitBias(token_id=int(key), bias=value))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(part) for part in first["loc"])
             raise ParamError(
-                f"logit_bias: the bias of token {key} is {value}, outside [-100, 100]",
-                "logit_bias",
-            )
-        entries.append(LogitBias(token_id=int(key), bias=value))
+                f"logit_bias: token {key}: {field} {first['msg']}", "logit_bias"
+            ) from None
     return tuple(sorted(entries, key=lambda entry: entry.token_id))
 
 
