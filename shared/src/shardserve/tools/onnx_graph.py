@@ -18,6 +18,7 @@ OPSET = 17
 IR_VERSION = 8  # the IR version that goes with opset 17; every onnxruntime >= 1.13 reads it
 PRODUCER_NAME = "shardserve.export"
 PRODUCER_VERSION = "1"  # bumped only when exported bytes change on purpose
+MS_DOMAIN = "com.microsoft"  # onnxruntime's contrib ops (fused norms, rotary)
 Shape = Sequence[int | str]  # str = a named dynamic dimension (ONNX dim_param)
 
 
@@ -65,9 +66,22 @@ class GraphBuilder:
         self._nodes.append(helper.make_node(op_type, list(inputs), [output], node_name, **attrs))
         return output
 
-    def op_n(self, op_type: str, *inputs: str, outputs: int, **attrs: Any) -> list[str]:
-        """Append one node with several outputs (Split, TopK...); returns their names."""
-        names = [self.fresh(f"{op_type.lower()}_out{i}") for i in range(outputs)]
+    def op_n(
+        self,
+        op_type: str,
+        *inputs: str,
+        outputs: int | Sequence[str | None],
+        **attrs: Any,
+    ) -> list[str]:
+        """Append one node with several outputs (Split, TopK...); returns their names.
+        ``outputs``: how many (fresh names), or each output's name (None: a fresh one,
+        "": an optional output left out)."""
+        wanted = [None] * outputs if isinstance(outputs, int) else list(outputs)
+        names = [
+            self.fresh(f"{op_type.lower()}_out{i}") if n is None else n
+            for i, n in enumerate(wanted)
+        ]
+        self._names.update(n for n in names if n)
         node_name = f"{op_type}_{len(self._nodes)}"
         self._nodes.append(helper.make_node(op_type, list(inputs), names, node_name, **attrs))
         return names
@@ -107,7 +121,7 @@ def finish_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     """Wrap a graph with the pinned opset/IR/producer and check it."""
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
+        opset_imports=[helper.make_opsetid(d, v) for d, v in _opsets(graph)],
         producer_name=PRODUCER_NAME,
         producer_version=PRODUCER_VERSION,
         ir_version=IR_VERSION,
@@ -117,6 +131,12 @@ def finish_model(graph: onnx.GraphProto) -> onnx.ModelProto:
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         raise ExportError(f"exported graph {graph.name!r} is not valid ONNX: {exc}") from exc
     return model
+
+
+def _opsets(graph: onnx.GraphProto) -> list[tuple[str, int]]:
+    """The pinned default opset, and onnxruntime's contrib domain when a node uses it."""
+    domains = {node.domain for node in graph.node}
+    return [("", OPSET)] + ([(MS_DOMAIN, 1)] if MS_DOMAIN in domains else [])
 
 
 def model_bytes(model: onnx.ModelProto) -> bytes:

@@ -12,11 +12,11 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from shardserve.tools.onnx_graph import MS_DOMAIN
 from shardserve.tools.quantize.blocks import QuantizedBlocks
 
 __all__ = ["MS_DOMAIN", "NBitsMatMul", "matmul_nbits"]
 
-MS_DOMAIN = "com.microsoft"
 # accuracy_level 4: activations quantized to int8 per block (the fast path on x86);
 # 0: activations stay fp32 and the weights are dequantized (the exact path).
 DEFAULT_ACCURACY_LEVEL = 4

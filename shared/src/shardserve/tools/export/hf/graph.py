@@ -7,24 +7,32 @@ allreduce -> [residual + bias, next layer's norm and Q|K|V ...]. Neighbouring pi
 one segment wherever no collective or attention separates them; with one rank per stage
 there are no allreduces, so a layer is two segments. Stage 0 starts from ``input_ids``,
 the last stage ends with the final norm and LM head over ``logit_rows``.
-"""
+
+Few, big kernels (a decode step of one sequence is mostly fixed per-kernel cost): Q|K|V and
+gate|up are one projection each; a residual add and the norm after it are one
+onnxruntime ``Skip[Simplified]LayerNormalization`` (its fourth output is the sum); RoPE is
+onnxruntime's ``RotaryEmbedding`` over cos/sin tables of the rows' positions, made once per
+stage in its first segment and carried to the others. 125 M Llama, one rank: 658 nodes a
+step before, 224 after (onnxruntime's profiler: docs/performance.md)."""
 
 from __future__ import annotations
 
 import numpy as np
 from onnx import TensorProto
 
+from shardserve.errors import InternalError
 from shardserve.repo.repository import AllGatherOp, AllReduceOp, AttentionOp
 from shardserve.tools.export.hf.config import DecoderConfig
 from shardserve.tools.export.hf.plan import RankPlan
 from shardserve.tools.export.hf.segments import ProgramWriter, SegmentSink
 from shardserve.tools.export.hf.weights import Gpt2Weights, Linear, LlamaWeights, Norm
-from shardserve.tools.onnx_graph import GraphBuilder
+from shardserve.tools.onnx_graph import MS_DOMAIN, GraphBuilder
 from shardserve.tools.slice_writer import RankSlice
 
 __all__ = ["build_rank", "hidden_name"]
 
 TOKENS, ROWS = "tokens", "rows"
+ROPE_COS, ROPE_SIN = "rope.cos", "rope.sin"
 
 
 def hidden_name(layer: int) -> str:
@@ -34,6 +42,13 @@ def hidden_name(layer: int) -> str:
 
 def _f32(value: float) -> np.ndarray:
     return np.array(value, dtype=np.float32)
+
+
+def _given(x: str | None) -> str:
+    """A layer's input norm: present wherever the stage holds the layer."""
+    if x is None:
+        raise InternalError("a layer's norm was not made")
+    return x
 
 
 class _RankGraph:
@@ -65,8 +80,11 @@ class _RankGraph:
     def build(self) -> RankSlice:
         layers = self.plan.layers
         h = self.embed() if self.plan.first else self.out.take(self.hidden(hidden_name(layers[0])))
+        if self.c.rope_theta:
+            self.rotary_tables()
+        x: str | None = self.norm(h, self.w.norm(layers[0], second=False))
         for layer in layers:
-            h = self.layer(layer, h)
+            h, x = self.layer(layer, h, x)
         if self.plan.last:
             self.head(h)
         else:
@@ -78,24 +96,42 @@ class _RankGraph:
 
     def embed(self) -> str:
         ids = self.out.take("input_ids")
-        tokens = self.g.op("Gather", self.const("embed", self.w.embedding()), ids)
         table = self.w.position_table()
         out = self.hidden(hidden_name(0))
         if table is None:
-            return self.out.make("Identity", tokens, out=out)
+            return self.out.make("Gather", self.const("embed", self.w.embedding()), ids, out=out)
+        tokens = self.g.op("Gather", self.const("embed", self.w.embedding()), ids)
         places = self.g.op("Gather", self.const("wpe", table), self.out.take("positions"))
         return self.out.make("Add", tokens, places, out=out)
 
     def norm(self, x: str, norm: Norm) -> str:
+        """A norm with no residual before it (a stage's first, the final one). RMSNorm in
+        the form onnxruntime fuses into one ``SimplifiedLayerNormalization`` kernel."""
         gamma = self.const("norm.gamma", norm.gamma)
         if norm.beta is not None:
             beta = self.const("norm.beta", norm.beta)
             return self.g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=self.c.norm_eps)
-        mean_square = self.g.op("ReduceMean", self.g.op("Mul", x, x), axes=[-1], keepdims=1)
+        mean_square = self.g.op(
+            "ReduceMean", self.g.op("Pow", x, self.const("two", _f32(2.0))), axes=[-1], keepdims=1
+        )
         root = self.g.op(
             "Sqrt", self.g.op("Add", mean_square, self.const("eps", _f32(self.c.norm_eps)))
         )
-        return self.g.op("Mul", gamma, self.g.op("Div", x, root))
+        return self.g.op("Mul", self.g.op("Div", x, root), gamma)
+
+    def skip_norm(self, h: str, partial: str, bias: np.ndarray | None, norm: Norm, out: str) -> str:
+        """``out = h + partial + bias`` and its norm, in one onnxruntime kernel
+        (``Skip[Simplified]LayerNormalization``); returns the norm."""
+        ins = [h, partial, self.const("norm.gamma", norm.gamma)]
+        if norm.beta is not None:
+            ins.append(self.const("norm.beta", norm.beta))
+        if bias is not None:
+            ins.append(self.const("residual.bias", bias))
+        op = "SkipSimplifiedLayerNormalization" if norm.beta is None else "SkipLayerNormalization"
+        normed, *_ = self.out.make_n(
+            op, *ins, outputs=[None, "", "", out], domain=MS_DOMAIN, epsilon=self.c.norm_eps
+        )
+        return normed
 
     def linear(self, x: str, linear: Linear, hint: str, out: str | None = None) -> str:
         # the head's weight is plainly "lm_head" (int4-mixed picks its precision by that name)
@@ -108,67 +144,82 @@ class _RankGraph:
             return self.out.make("Gemm", *ins, out=out, transB=int(linear.out_major))
         return self.g.op("Gemm", *ins, transB=int(linear.out_major))
 
-    def layer(self, layer: int, h: str) -> str:
-        mid = self.attention_block(layer, h)
-        return self.mlp_block(layer, mid)
+    def layer(self, layer: int, h: str, x: str | None) -> tuple[str, str | None]:
+        """The residual stream after ``layer`` and, when this stage holds the next layer,
+        that layer's first norm of it (``x``: this layer's)."""
+        h, x = self.attention_block(layer, h, x)
+        return self.mlp_block(layer, h, x)
 
-    def attention_block(self, layer: int, h: str) -> str:
-        d = self.c.head_dim
-        qkv = self.linear(
-            self.norm(h, self.w.norm(layer, second=False)), self.w.qkv(layer, self.plan), "qkv"
-        )
-        widths = [self.q_heads * d, self.kv_heads * d, self.kv_heads * d]
-        q, k, v = self.g.op_n("Split", qkv, self.g.ints("qkv_widths", widths), outputs=3, axis=-1)
-        names = [f"layer{layer}.{n}" for n in ("q", "k", "v")]
-        shapes = [self.q_heads, self.kv_heads, self.kv_heads]
-        for name, heads in zip(names, shapes, strict=True):
-            self.out.declare(name, [TOKENS, heads, d])
-        q = self.g.op("Reshape", q, self.g.ints("q_shape", [-1, self.q_heads, d]))
-        k = self.g.op("Reshape", k, self.g.ints("kv_shape", [-1, self.kv_heads, d]))
-        if self.c.rope_theta:
-            q, k = self.rotary(q), self.rotary(k)
-        for value, name in zip((q, k), names[:2], strict=True):
-            self.out.make("Identity", value, out=name)
-        self.out.make("Reshape", v, self.g.ints("kv_shape", [-1, self.kv_heads, d]), out=names[2])
-        attn = self.out.declare(f"layer{layer}.attn", [TOKENS, self.q_heads * d])
-        self.out.cut(
-            AttentionOp(layer=layer, q=names[0], k=names[1], v=names[2], output=attn), carry=[h]
-        )
+    def attention_block(self, layer: int, h: str, x: str | None) -> tuple[str, str]:
+        qkv = self.linear(_given(x), self.w.qkv(layer, self.plan), "qkv")
+        q, k, v = self.heads(layer, qkv)
+        attn = self.out.declare(f"layer{layer}.attn", [TOKENS, self.q_heads * self.c.head_dim])
+        self.out.cut(AttentionOp(layer=layer, q=q, k=k, v=v, output=attn), carry=[h])
         proj, bias = self.w.out_proj(layer, self.plan)
-        partial = self.linear(self.out.take(attn), proj, "o_proj")
-        return self.residual(self.out.take(h), partial, bias, f"layer{layer}.attn")
+        hint = f"layer{layer}.attn"
+        partial = self.linear(self.out.take(attn), proj, "o_proj", out=self.partial(hint))
+        h, normed = self.residual(self.out.take(h), partial, bias, hint, self.w.norm(layer, True))
+        return h, _given(normed)
 
-    def mlp_block(self, layer: int, h: str) -> str:
-        x = self.linear(
-            self.norm(h, self.w.norm(layer, second=True)), self.w.mlp_in(layer, self.plan), "mlp_in"
-        )
+    def heads(self, layer: int, qkv: str) -> list[str]:
+        """Q, K, V [N, heads, D] of the fused projection, RoPE applied to Q and K."""
+        d = self.c.head_dim
+        widths = [self.q_heads * d, self.kv_heads * d, self.kv_heads * d]
+        # [1, N, W]: RotaryEmbedding's [batch, sequence, hidden] (a view, not a copy)
+        rows = self.g.op("Unsqueeze", qkv, self.g.ints("axis0", [0]))
+        parts = self.g.op_n("Split", rows, self.g.ints("qkv_widths", widths), outputs=3, axis=-1)
+        heads = [self.q_heads, self.kv_heads, self.kv_heads]
+        if self.c.rope_theta:
+            parts[:2] = [self.rotary(part, n) for part, n in zip(parts[:2], heads[:2], strict=True)]
+        names = []
+        for part, name, n in zip(parts, ("q", "k", "v"), heads, strict=True):
+            shape = self.g.ints(f"{name}_shape", [-1, n, d])
+            names.append(self.out.declare(f"layer{layer}.{name}", [TOKENS, n, d]))
+            self.out.make("Reshape", part, shape, out=names[-1])
+        return names
+
+    def mlp_block(self, layer: int, h: str, x: str) -> tuple[str, str | None]:
+        x = self.linear(x, self.w.mlp_in(layer, self.plan), "mlp_in")
         act = self.gelu(x) if self.c.family == "gpt2" else self.swiglu(x)
         down, bias = self.w.mlp_out(layer, self.plan)
-        partial = self.linear(act, down, "mlp_out")
-        return self.residual(h, partial, bias, f"layer{layer}.mlp")
+        hint = f"layer{layer}.mlp"
+        partial = self.linear(act, down, "mlp_out", out=self.partial(hint))
+        following = layer + 1 in self.plan.layers
+        next_norm = self.w.norm(layer + 1, second=False) if following else None
+        return self.residual(h, partial, bias, hint, next_norm)
 
-    def residual(self, h: str, partial: str, bias: np.ndarray | None, hint: str) -> str:
-        """``h + sum over ranks(partial) + bias``: the bias added once, after the allreduce."""
+    def partial(self, hint: str) -> str | None:
+        """The declared name a rank's partial sum gets when an allreduce follows it."""
+        return self.hidden(f"{hint}.partial") if self.plan.ranks > 1 else None
+
+    def residual(
+        self, h: str, partial: str, bias: np.ndarray | None, hint: str, norm: Norm | None
+    ) -> tuple[str, str | None]:
+        """``h + sum over ranks(partial) + bias`` (the bias added once, after the
+        allreduce) and, given ``norm``, its norm."""
         if self.plan.ranks > 1:
-            self.out.make("Identity", partial, out=self.hidden(f"{hint}.partial"))
             total = self.hidden(f"{hint}.sum")
-            self.out.cut(AllReduceOp(input=f"{hint}.partial", output=total), carry=[h])
+            self.out.cut(AllReduceOp(input=partial, output=total), carry=[h])
             partial, h = self.out.take(total), self.out.take(h)
+        out = self.hidden(f"{hint}.out")
+        if norm is not None:
+            return out, self.skip_norm(h, partial, bias, norm, out)
         if bias is not None:
             partial = self.g.op("Add", partial, self.const(f"{hint}.bias", bias))
-        return self.out.make("Add", h, partial, out=self.hidden(f"{hint}.out"))
+        return self.out.make("Add", h, partial, out=out), None
 
-    def rotary(self, x: str) -> str:
-        """HF ``rotate_half`` RoPE: x*cos + [-x2, x1]*sin over positions (fp32 throughout)."""
-        cos, sin = self.rotary_tables()
-        x1, x2 = self.g.op_n(
-            "Split", x, self.g.ints("halves", [self.c.head_dim // 2] * 2), outputs=2, axis=-1
+    def rotary(self, x: str, heads: int) -> str:
+        """HF ``rotate_half`` RoPE of ``x`` [1, N, heads*D] (onnxruntime's RotaryEmbedding
+        over the stage's tables: position ids start at row 0 of them)."""
+        cos, sin = self.out.take(ROPE_COS), self.out.take(ROPE_SIN)
+        start = self.g.ints("rope_start", [0])
+        return self.g.op(
+            "RotaryEmbedding", x, start, cos, sin, domain=MS_DOMAIN, num_heads=heads, interleaved=0
         )
-        rotated = self.g.op("Concat", self.g.op("Neg", x2), x1, axis=-1)
-        return self.g.op("Add", self.g.op("Mul", x, cos), self.g.op("Mul", rotated, sin))
 
-    def rotary_tables(self) -> tuple[str, str]:
-        """cos, sin [N, 1, D] of the rows' positions (built per segment that needs them)."""
+    def rotary_tables(self) -> None:
+        """cos, sin [N, D/2] of the rows' positions, made once in the stage's first segment
+        and carried to every layer's (fp32 throughout, as Hugging Face computes them)."""
         d = self.c.head_dim
         exponents = np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)
         inv_freq = (np.float32(1.0) / (np.float32(self.c.rope_theta) ** exponents)).astype(
@@ -180,10 +231,9 @@ class _RankGraph:
             self.g.op("Unsqueeze", pos, self.g.ints("axis1", [1])),
             self.const("inv_freq", inv_freq),
         )
-        angles = self.g.op(
-            "Unsqueeze", self.g.op("Concat", freqs, freqs, axis=-1), self.g.ints("axis1", [1])
-        )
-        return self.g.op("Cos", angles), self.g.op("Sin", angles)
+        for name, op in ((ROPE_COS, "Cos"), (ROPE_SIN, "Sin")):
+            self.out.make(op, freqs, out=self.out.declare(name, [TOKENS, d // 2]))
+        self.out.carried = [ROPE_COS, ROPE_SIN]
 
     def gelu(self, x: str) -> str:
         if self.c.activation == "gelu":  # the erf form

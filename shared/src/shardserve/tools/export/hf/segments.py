@@ -39,6 +39,8 @@ class ProgramWriter:
     _specs: dict[str, tuple[int, Shape]] = field(default_factory=dict)
     _inputs: list[str] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)  # declared tensors made in this segment
+    # declared tensors every cut hands on (the stage's rotary tables, read by every layer)
+    carried: list[str] = field(default_factory=list)
     g: GraphBuilder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,11 +61,19 @@ class ProgramWriter:
         self._made.append(out)
         return self.g.op(op_type, *inputs, out=out, **attrs)
 
+    def make_n(
+        self, op_type: str, *inputs: str, outputs: Sequence[str | None], **attrs: object
+    ) -> list[str]:
+        """A node with several outputs, the declared tensors among them named in
+        ``outputs`` (None: a fresh name, "": an optional output left out)."""
+        self._made.extend(n for n in outputs if n and n in self._specs)
+        return self.g.op_n(op_type, *inputs, outputs=outputs, **attrs)
+
     def close(self, outputs: Sequence[str]) -> None:
         """End the segment; ``outputs`` are what later ops read (inputs pass through env)."""
         if not self._made and not self._inputs:
             return
-        outs = [n for n in dict.fromkeys(outputs) if n in self._made]
+        outs = [n for n in dict.fromkeys([*outputs, *self.carried]) if n in self._made]
         model = self.g.build(
             inputs=[(n, self._specs[n][1]) for n in self._inputs],
             outputs=[(n, self._specs[n][1]) for n in outs],
