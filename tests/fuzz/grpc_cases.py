@@ -14,7 +14,12 @@ metadata, a deadline and whether the client cancels it. The bytes are sent as th
   odd names, versions, datatypes, shapes (0, -1, 2**62), contents of the wrong kind or
   size, parameters without values, unknown outputs;
 - ``oversized``: a message past the gateway's limit;
-- ``demo``: the well-formed demo request, so that valid calls run between the bad ones.
+- ``demo``: the well-formed demo request, so that valid calls run between the bad ones;
+- ``generation`` (when the mesh serves a generation servable): Triton's decoupled
+  generation request (``text_input`` and sampling values as request parameters, scalar
+  inputs or a ``sampling_parameters`` JSON input) with poisoned prompts and values:
+  integers past 2**63, NaN, subnormal temperatures, lone surrogates, prompts past the
+  limit, wrong datatypes and shapes; mostly on ModelStreamInfer, some on ModelInfer.
 
 Metadata mixes the right bearer token with none, a wrong one, other schemes, invalid
 request ids, binary headers and more headers than grpc accepts; deadlines range from
@@ -335,10 +340,14 @@ def weighted_none(strategy: st.SearchStrategy[Any], none_share: int) -> st.Searc
 
 
 @st.composite
-def cases(draw: st.DrawFn, token: str) -> GrpcCase:
-    """One call of any sort (most aimed at ModelInfer and ModelStreamInfer)."""
-    sort = draw(st.integers(0, 9))
-    if sort < 5:
+def cases(draw: st.DrawFn, token: str, generation_model: str | None = None) -> GrpcCase:
+    """One call of any sort (most aimed at ModelInfer and ModelStreamInfer; a third at
+    ``generation_model`` when given)."""
+    sort = draw(st.integers(0, 9 if generation_model is None else 14))
+    if sort >= 10:
+        assert generation_model is not None
+        label, path, messages = generation_case(draw, generation_model)
+    elif sort < 5:
         label, message = draw(infer_messages())
         path, messages = PREFIX + "ModelInfer", (message,)
     elif sort < 7:
@@ -365,6 +374,73 @@ def cases(draw: st.DrawFn, token: str) -> GrpcCase:
         timeout_s=draw(weighted_none(DEADLINES, 4)),
         cancel_after_s=draw(weighted_none(CANCELS, 6)),
     )
+
+
+# -- generation requests -------------------------------------------------------------------
+
+GENERATION_VALUES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+GENERATION_VALUES += ("stop_token_ids", "ignore_eos", "triton_enable_empty_final_response")
+PROMPTS = st.sampled_from(
+    ("Hello", "", "\x00", "\u00e9t\u00e9", "hello world " * 20_000, "x" * 900_000)
+) | st.text(max_size=40)
+PROMPT_BYTES = PROMPTS.map(lambda text: text.encode("utf-8", "surrogatepass")) | st.sampled_from(
+    (b"\xff\xfe", b"\xed\xa0\x80", b"a\x80")  # not UTF-8; a lone surrogate's bytes
+)
+POISON_JSON = st.sampled_from(
+    ('{"max_tokens": 4}', '{"temperature": 1e-310, "top_p": 0.9}')
+    + ('{"top_k": 18446744073709551616}', '{"max_tokens": NaN}', '{"stop": "\\ud800"}')
+    + ("[1, 2]", "{", '"x"', "[" * 50_000)
+)
+
+
+@st.composite
+def generation_value_into(draw: st.DrawFn, parameters: Any, name: str) -> None:
+    """``name`` set to a value of a kind a client might send, poison included."""
+    parameter = parameters[name]
+    choice = draw(st.integers(0, 4))
+    if choice == 0:
+        parameter.int64_param = draw(st.sampled_from((4, 0, -1, 2**31, 2**63 - 1, -(2**63))))
+    elif choice == 1:
+        values = (0.0, 0.5, 1.0, 1e-310, 5e-324, float("nan"), float("inf"), -1.0, 1e308)
+        parameter.double_param = draw(st.sampled_from(values))
+    elif choice == 2:
+        parameter.string_param = draw(st.sampled_from(("\n", "Hello", "", "[1, 2]")) | TEXT)
+    elif choice == 3:
+        parameter.bool_param = draw(st.booleans())
+    else:
+        parameter.uint64_param = draw(st.sampled_from((4, 2**64 - 1)))
+
+
+@st.composite
+def generation_request(draw: st.DrawFn, model: str) -> bytes:
+    """A generation request for ``model``: ``text_input`` plus sampling values, some of
+    them poisoned (a prompt of the wrong kind, a value no sampler can use)."""
+    request = pb.ModelInferRequest(model_name=draw(st.just(model) | MODEL_NAMES), id=draw(TEXT))
+    text = request.inputs.add(name="text_input", datatype="BYTES")
+    text.datatype = draw(st.just("BYTES") | DATATYPES)
+    prompts = draw(st.lists(PROMPT_BYTES, min_size=1, max_size=2))
+    text.shape.extend(draw(st.just([len(prompts)]) | SHAPES))
+    text.contents.bytes_contents.extend(prompts)
+    request.parameters["max_tokens"].int64_param = 4
+    for name in draw(st.lists(st.sampled_from(GENERATION_VALUES), max_size=3)):
+        draw(generation_value_into(request.parameters, name))
+    if draw(st.integers(0, 4)) == 0:  # vLLM's way: the values as a JSON input
+        sampling = request.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+        sampling.contents.bytes_contents.append(draw(POISON_JSON).encode())
+    if draw(st.integers(0, 4)) == 0:  # Triton's way: a value as a scalar input
+        scalar = request.inputs.add(name=draw(st.sampled_from(GENERATION_VALUES)), shape=[1])
+        scalar.datatype = draw(DATATYPES)
+        draw(contents_into(scalar))
+    return request.SerializeToString()
+
+
+def generation_case(draw: st.DrawFn, model: str) -> tuple[str, str, tuple[bytes, ...]]:
+    """(label, path, messages) of generation requests: a stream of one to three (the
+    decoupled convention), or one on ModelInfer."""
+    messages = tuple(draw(st.lists(generation_request(model), min_size=1, max_size=3)))
+    if draw(st.integers(0, 4)) == 0:
+        return "generation-unary", PREFIX + "ModelInfer", messages[:1]
+    return "generation-stream", PREFIX + STREAM_METHOD, messages
 
 
 def unloads_demo(path: str, messages: tuple[bytes, ...]) -> bool:

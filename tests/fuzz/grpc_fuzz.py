@@ -36,10 +36,12 @@ import numpy as np
 from hypothesis import given
 from tests.fuzz.grpc_cases import DEMO_BYTES, PREFIX, GrpcCase, cases
 from tests.fuzz.http_fuzz import _settings as fuzz_settings
+from tests.fuzz.http_fuzz import run_in_chunks
 from tests.fuzz.tally import EXAMPLES_KEPT
 
 from shardserve.ops.child_mesh import READY_PATH, LoggedProcess, free_port
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
+from shardserve_gateway.grpcapi.streaming import INTERNAL_MESSAGE
 
 HARNESS_TIMEOUT_S = 60.0
 TOKEN = "grpc-fuzz-token"
@@ -124,10 +126,8 @@ def judge(case: GrpcCase, error: grpc.RpcError | None, answers: int) -> tuple[st
 class Sender:
     """Sends cases over one channel (grpc reconnects it when a case broke it)."""
 
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", -1)]
-        )
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
         self._pause = threading.Event()  # never set: waits the cancel delay out
 
     def close(self) -> None:
@@ -171,7 +171,10 @@ class Sender:
         answers = 0
         try:
             for raw in responses:
-                answers += _finals(raw)
+                response = pb.ModelStreamInferResponse.FromString(raw)
+                if response.error_message == INTERNAL_MESSAGE:
+                    return _Ended(grpc.StatusCode.INTERNAL, "an internal error answered"), answers
+                answers += _finals(response)
                 if case.cancel_after_s is not None:
                     responses.cancel()  # mid-way: once the first answer came
         except grpc.RpcError as error:
@@ -179,24 +182,25 @@ class Sender:
         return None, answers
 
 
-def _finals(raw: bytes) -> int:
+def _finals(response: pb.ModelStreamInferResponse) -> int:
     """1 for a response that ends its request (every non-generation answer is final)."""
-    response = pb.ModelStreamInferResponse.FromString(raw)
     final = response.infer_response.parameters.get("triton_final_response")
     return 1 if response.error_message or final is None or final.bool_param else 0
 
 
 class _Ended(grpc.RpcError):
-    """An outcome the client made (cancelled, or given up waiting)."""
+    """An outcome the client saw without an error status: it cancelled, gave up waiting,
+    or a stream answered one request with the gateway's internal error."""
 
-    def __init__(self, code: grpc.StatusCode) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str = "ended by the client") -> None:
         self._code = code
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
     def details(self) -> str:
-        return "ended by the client"
+        return self._details
 
     def trailing_metadata(self) -> tuple[()]:
         return ()
@@ -210,21 +214,29 @@ def _no_answer() -> grpc.RpcError:
     return _Ended(grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def fuzz_cases(address: str, tally: GrpcTally, count: int, seed: int = 0) -> None:
-    """``count`` Hypothesis-made cases sent to ``address``."""
-    sender = Sender(address)
+def fuzz_cases(
+    address: str,
+    tally: GrpcTally,
+    count: int,
+    seed: int = 0,
+    generation_model: str | None = None,
+) -> None:
+    """``count`` Hypothesis-made cases sent to ``address`` (a third of them generation
+    requests for ``generation_model`` when given)."""
+    sender = Sender(
+        grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+    )
 
-    @fuzz_settings(count, seed)
-    @given(case=cases(TOKEN))
-    def one(case: GrpcCase) -> None:
-        sender.send(case, tally)
+    def run(examples: int, chunk: int) -> None:
+        @fuzz_settings(examples, seed + chunk)
+        @given(case=cases(TOKEN, generation_model))
+        def one(case: GrpcCase) -> None:
+            sender.send(case, tally)
+
+        one()
 
     try:
-        while tally.sent + tally.refused_by_client < count:
-            before = tally.sent + tally.refused_by_client
-            one()
-            if tally.sent + tally.refused_by_client == before:
-                return
+        run_in_chunks(count, lambda: tally.sent + tally.refused_by_client, run)
     except hypothesis.errors.Unsatisfiable:
         pass
     finally:
@@ -337,13 +349,16 @@ class GrpcFuzzResult:
         )
 
 
-def run_grpc_fuzz(amqp_url: str, workdir: Path, count: int) -> GrpcFuzzResult:
-    """Start the fuzzed gateway on the mesh at ``amqp_url``, send ``count`` cases, check."""
+def run_grpc_fuzz(
+    amqp_url: str, workdir: Path, count: int, generation_model: str | None = None
+) -> GrpcFuzzResult:
+    """Start the fuzzed gateway on the mesh at ``amqp_url``, send ``count`` cases (some
+    to ``generation_model`` when the mesh serves one), check."""
     gateway = FuzzedGateway(amqp_url, workdir / "grpc-gateway.log")
     result = GrpcFuzzResult(GrpcTally())
     try:
         gateway.start()
-        fuzz_cases(gateway.address, result.tally, count)
+        fuzz_cases(gateway.address, result.tally, count, generation_model=generation_model)
         result.settled = gateway.settled()
         result.demo_ok = demo_over_grpc(gateway.address)
         # (not supervised: a crash would leave it dead, not restarted)

@@ -212,10 +212,13 @@ def fuzz_amqp(run: FuzzRun, mesh: ChaosMesh, count: int) -> None:
     print(run.amqp.summary(), file=sys.stderr, flush=True)
 
 
-def fuzz_grpc(run: FuzzRun, mesh: ChaosMesh, workdir: Path, count: int) -> None:
-    """``count`` calls to the gRPC API of a gateway of their own on the mesh."""
+def fuzz_grpc(
+    run: FuzzRun, mesh: ChaosMesh, workdir: Path, count: int, generation_model: str | None
+) -> None:
+    """``count`` calls to the gRPC API of a gateway of their own on the mesh (a third of
+    them generation requests when the mesh serves ``generation_model``)."""
     started = time.monotonic()
-    run.grpc = grpc_fuzz.run_grpc_fuzz(mesh.amqp_url, workdir, count)
+    run.grpc = grpc_fuzz.run_grpc_fuzz(mesh.amqp_url, workdir, count, generation_model)
     run.seconds["grpc"] = time.monotonic() - started
     print("\n".join(run.grpc.lines()), file=sys.stderr, flush=True)
 
@@ -248,7 +251,7 @@ def run_fuzz(
         if amqp_count > 0:
             fuzz_amqp(run, mesh, amqp_count)
         if grpc > 0:
-            fuzz_grpc(run, mesh, workdir, grpc)
+            fuzz_grpc(run, mesh, workdir, grpc, GENERATION_SERVABLE if served else None)
         run.pids_lost = lost_pids(run.pids_before, service_pids(mesh))
         run.ranks_lost = mesh.log_path.read_text(errors="replace").count(RANK_LOST_LINE)
         run.demo_ok = demo_answers(mesh.http_url)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import grpc
 import pytest
@@ -17,10 +19,18 @@ from tests.fuzz.grpc_cases import (
     cases,
     unloads_demo,
 )
-from tests.fuzz.grpc_fuzz import CLIENT_CANCELLED, NO_ANSWER, GrpcFuzzResult, GrpcTally, judge
+from tests.fuzz.grpc_fuzz import (
+    CLIENT_CANCELLED,
+    NO_ANSWER,
+    GrpcFuzzResult,
+    GrpcTally,
+    Sender,
+    judge,
+)
 from tests.fuzz.run import FuzzRun
 
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
+from shardserve_gateway.grpcapi.streaming import INTERNAL_MESSAGE
 
 
 class Status(grpc.RpcError):
@@ -132,3 +142,46 @@ def test_wire_tricks_break_the_format_where_they_say() -> None:
     # An unknown field is skipped, as protobuf says: the request stays the demo's.
     kept = pb.ModelInferRequest.FromString(DEMO_BYTES + WIRE_TRICKS["huge-unknown-field"])
     assert kept.model_name == "matmul"
+
+
+def test_generation_cases_reach_the_servable_on_both_methods_with_poison() -> None:
+    seen: Counter[str] = Counter()
+
+    @settings(
+        max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+    )
+    @given(call=cases("token", "llama"))
+    def collect(call: GrpcCase) -> None:
+        if "generation" not in call.label:
+            return
+        seen[call.label] += 1
+        for raw in call.messages:
+            request = pb.ModelInferRequest.FromString(raw)
+            seen["to-llama"] += request.model_name == "llama"
+            seen["text_input"] += any(t.name == "text_input" for t in request.inputs)
+            for value in request.parameters.values():
+                kind = value.WhichOneof("parameter_choice")
+                poisoned = kind == "double_param" and not 1e-300 < abs(value.double_param) < 1e300
+                seen["poisoned-number"] += poisoned
+            seen["json-input"] += any(t.name == "sampling_parameters" for t in request.inputs)
+
+    collect()
+    assert seen["generation-stream"] > seen["generation-unary"] > 0
+    assert min(seen["to-llama"], seen["text_input"], seen["poisoned-number"]) > 0
+    assert seen["json-input"] > 0
+
+
+def test_a_stream_answering_with_the_internal_error_fails_the_call() -> None:
+    internal = pb.ModelStreamInferResponse(error_message=INTERNAL_MESSAGE).SerializeToString()
+
+    class Channel:
+        """A channel whose every stream answers once, with the gateway's internal error."""
+
+        def stream_stream(self, path: str) -> Callable[..., Iterator[bytes]]:
+            return lambda *args, **kwargs: iter([internal])
+
+    tally = GrpcTally()
+    Sender(cast(grpc.Channel, Channel())).send(
+        case(path=PREFIX + STREAM_METHOD, messages=(DEMO_BYTES,)), tally
+    )
+    assert tally.statuses["INTERNAL"] == 1 and not tally.passed
