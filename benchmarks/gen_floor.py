@@ -30,7 +30,8 @@ from shardserve.repo.repository import GroupConfig, RunOp, load_group, verify_ra
 from shardserve.runtime.attention import StepAttention, StepLayout
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.kv_shape import cache_shape
-from shardserve.runtime.program import GatherCollective, OrtSegment, run_stage
+from shardserve.runtime.pieces import ComposedRank, open_pieces
+from shardserve.runtime.program import GatherCollective, OrtSegment, SegmentRunner, run_stage
 
 Span = tuple[int, int, int]  # (sequence id, start position, tokens)
 
@@ -57,15 +58,22 @@ class FloorModel:
         model: str,
         kv_bytes: int,
         make_session: Callable[[Path], ort.InferenceSession] = one_thread_session,
+        piece_options: Callable[[], ort.SessionOptions] | None = None,
     ) -> None:
+        """``piece_options``: run the stage's composed pieces (the agent's ``--fused``),
+        each a session made with these options; else one session per segment."""
         self.group: GroupConfig = load_group(repo, model, 1)
         if self.group.rank_size != 1:
             raise SystemExit(f"the floor runs the unsliced model (rank 1), not {repo}")
         [self.stage] = self.group.stages
         files = verify_rank_files(repo, self.group, 0)
         runs = {op.file for op in self.stage.program if isinstance(op, RunOp)}
-        self.runners = {
-            name: OrtSegment(make_session(path), run_in_thread=False)
+        composed = ComposedRank({}, {})
+        if piece_options is not None:
+            composed = open_pieces(self.stage, files, piece_options, run_in_thread=False)
+        self.pieces = composed.pieces
+        self.runners: dict[str, SegmentRunner] = {
+            name: composed.runners.get(name) or OrtSegment(make_session(path), False)
             for name, path in files.items()
             if name in runs
         }
@@ -82,7 +90,14 @@ class FloorModel:
         }
         attention = StepAttention(self.cache, StepLayout(spans))
         outputs = asyncio.run(
-            run_stage(self.stage, self.runners, inputs, _OneRank(), attention=attention)
+            run_stage(
+                self.stage,
+                self.runners,
+                inputs,
+                _OneRank(),
+                attention=attention,
+                pieces=self.pieces,
+            )
         )
         return [int(v) for v in np.argmax(outputs["logits"], axis=-1)]
 

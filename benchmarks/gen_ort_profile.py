@@ -3,19 +3,25 @@ benchmark model run by the floor's loop (``gen_floor``: the agent's stage progra
 and attention) with ``SessionOptions.enable_profiling``, one sequence and a static batch.
 
     python -m benchmarks.gen_ort_profile [--model bench-125m] [--threads 2] [--steps 16]
+        [--quantize int8|int4] [--fused] [--repo REPO --name SERVABLE] [--batches 1 32]
 
 Prints, per decode step, ms of each onnxruntime op type (summed over the step's segments),
 the sessions' total, and the step's wall time: the rest is the Python between runs
 (attention over the KV cache, sampling). Sessions run as the agents' do since the threads
-change: ``--threads`` intra-op threads without spinning.
+change: ``--threads`` intra-op threads without spinning. ``--fused``: the composed pieces
+the agent runs by default (a c1 step: one onnxruntime run per piece; ``If`` is then each
+segment's own overhead, its kernels counted under their op types).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +33,32 @@ from benchmarks.gen_floor import FloorModel
 
 
 def op_totals_ms(events: list[dict[str, Any]]) -> dict[str, float]:
-    """ms per op type over a profile's kernel events (``cat`` Node, ``*_kernel_time``)."""
+    """ms per op type over a profile's kernel events (``cat`` Node, ``*_kernel_time``). An
+    ``If`` (a composed piece's segment) counts its own time only: the kernels of its branch
+    are events of their own, inside its span (Ifs are not nested in our pieces)."""
+    kernels = [
+        e
+        for e in events
+        if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")
+    ]
+    leaves = sorted(
+        (int(e.get("ts", 0)), float(e.get("dur", 0))) for e in kernels if _op(e) != "If"
+    )
+    starts = [ts for ts, _ in leaves]
+    sums = list(itertools.accumulate((dur for _, dur in leaves), initial=0.0))
     totals: dict[str, float] = defaultdict(float)
-    for event in events:
-        if event.get("cat") == "Node" and str(event.get("name", "")).endswith("_kernel_time"):
-            op = str((event.get("args") or {}).get("op_name", "?"))
-            totals[op] += float(event.get("dur", 0)) / 1000.0
+    for event in kernels:
+        dur = float(event.get("dur", 0))
+        if _op(event) == "If":
+            begin = int(event.get("ts", 0))
+            end = begin + int(dur)
+            dur -= sums[bisect.bisect_right(starts, end)] - sums[bisect.bisect_left(starts, begin)]
+        totals[_op(event)] += dur / 1000.0
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def _op(event: dict[str, Any]) -> str:
+    return str((event.get("args") or {}).get("op_name", "?"))
 
 
 class ProfiledSessions:
@@ -44,15 +69,24 @@ class ProfiledSessions:
         self.sessions: list[ort.InferenceSession] = []
 
     def __call__(self, path: Path) -> ort.InferenceSession:
+        options = self.options(path.stem)
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.sessions.append(session)
+        return session
+
+    def options(self, name: str = "piece") -> ort.SessionOptions:
+        """A session's options (a composed piece's: its session is ``adopt``-ed after)."""
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.prefix is not None:
             options.enable_profiling = True
-            options.profile_file_prefix = str(self.prefix / path.stem)
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.sessions.append(session)
-        return session
+            options.profile_file_prefix = str(self.prefix / f"{name}{len(self.sessions)}")
+        return options
+
+    def adopt(self, model: FloorModel) -> None:
+        """The sessions of ``model``'s composed pieces, profiled like the others."""
+        self.sessions += [piece.session for piece in model.pieces.values()]  # type: ignore[misc]
 
     def events(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = []
@@ -61,10 +95,25 @@ class ProfiledSessions:
         return found
 
 
-def profile(model_name: str, threads: int, batch: int, steps: int, work: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Target:
+    """What is profiled: a model repository's servable, run whole per piece or not."""
+
+    repo: Path
+    name: str
+    fused: bool
+
+
+def _model(target: Target, kv_bytes: int, sessions: ProfiledSessions) -> FloorModel:
+    options = sessions.options if target.fused else None
+    model = FloorModel(target.repo, target.name, kv_bytes, sessions, piece_options=options)
+    sessions.adopt(model)
+    return model
+
+
+def profile(target: Target, threads: int, batch: int, steps: int, work: Path) -> dict[str, Any]:
     """One prefill of ``batch`` 128-token prompts, then ``steps`` decode steps profiled."""
-    repo = gen_models.exported(model_name, 1, 1)
-    prefill = FloorModel(repo, model_name, 2**30, make_session=ProfiledSessions(threads, None))
+    prefill = _model(target, 2**30, ProfiledSessions(threads, None))
     prompts = random_prompts(batch, 128, 0)
     for seq_id, prompt in enumerate(prompts):
         prefill.cache.reserve(seq_id, len(prompt) + steps + 1)
@@ -73,7 +122,7 @@ def profile(model_name: str, threads: int, batch: int, steps: int, work: Path) -
     # the decode steps on sessions of their own, profiled from their start, over the same
     # KV cache (the prefill's profile would drown a decode step's)
     sessions = ProfiledSessions(threads, work)
-    model = FloorModel(repo, model_name, 1, make_session=sessions)
+    model = _model(target, 1, sessions)
     model.cache = prefill.cache
     started = time.perf_counter()
     for step in range(steps):
@@ -82,6 +131,8 @@ def profile(model_name: str, threads: int, batch: int, steps: int, work: Path) -
     wall_ms = (time.perf_counter() - started) * 1000 / steps
     per_step = {op: round(ms / steps, 3) for op, ms in op_totals_ms(sessions.events()).items()}
     return {
+        "servable": target.name,
+        "fused": target.fused,
         "batch": batch,
         "threads": threads,
         "step_wall_ms": round(wall_ms, 3),
@@ -96,12 +147,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="the model's slices")
+    parser.add_argument("--fused", action="store_true", help="composed pieces (the agent's)")
+    parser.add_argument("--repo", type=Path, help="profile this repository's servable...")
+    parser.add_argument("--name", help="...of this name instead of a benchmark model")
     args = parser.parse_args()
     import tempfile
 
+    if args.repo is not None:
+        target = Target(args.repo, args.name or args.model, args.fused)
+    else:
+        target = Target(
+            gen_models.exported(args.model, 1, 1, args.quantize), args.model, args.fused
+        )
+
     for batch in args.batches:
         with tempfile.TemporaryDirectory(prefix="ort-profile-") as work:
-            found = profile(args.model, args.threads, batch, args.steps, Path(work))
+            found = profile(target, args.threads, batch, args.steps, Path(work))
         print(json.dumps(found), flush=True)
 
 

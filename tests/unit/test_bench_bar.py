@@ -240,3 +240,32 @@ def test_profile_kernel_time_per_op_type() -> None:
     ]
     assert op_totals_ms(events) == {"MatMul": 2.0, "Add": 0.25}
     assert list(op_totals_ms(events)) == ["MatMul", "Add"]  # largest first
+
+
+def test_profile_counts_an_if_by_its_own_time() -> None:
+    """A composed piece's segment is an If whose branch's kernels are events inside it."""
+    from benchmarks.gen_ort_profile import op_totals_ms
+
+    def kernel(op: str, ts: int, dur: int) -> dict[str, object]:
+        return {
+            "cat": "Node",
+            "name": f"{op}_kernel_time",
+            "ts": ts,
+            "dur": dur,
+            "args": {"op_name": op},
+        }
+
+    events = [
+        kernel("If", 100, 1000),
+        kernel("MatMul", 150, 600),
+        kernel("Add", 800, 100),
+        kernel("If", 2000, 300),
+        kernel("Add", 2100, 100),
+        kernel("GroupQueryAttention", 1200, 400),  # between the Ifs, in the outer graph
+    ]
+    assert op_totals_ms(events) == {
+        "MatMul": 0.6,
+        "If": 0.5,
+        "GroupQueryAttention": 0.4,
+        "Add": 0.2,
+    }
