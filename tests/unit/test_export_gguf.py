@@ -38,9 +38,11 @@ def test_every_fixture_has_its_reference() -> None:
 @pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_ids_equal_transformers(name: str, ranks: int, tmp_path: Path) -> None:
-    """Every type in the fixtures (F32, Q8_0, Q4_0) is dequantized exactly as transformers
-    does, so the greedy continuations are transformers' at every tensor-parallel degree."""
-    export_gguf(FIXTURES / f"{name}.gguf", tmp_path, rank_size=ranks, name="m")
+    """Every type in the fixtures is served as transformers computes the file: F32 as it
+    is, Q8_0 and Q4_0 as the file's own blocks (MatMulNBits at accuracy level 0: fp32
+    activations, the dequantized weights exactly), so the greedy continuations are
+    transformers' at every tensor-parallel degree."""
+    export_gguf(FIXTURES / f"{name}.gguf", tmp_path, rank_size=ranks, name="m", accuracy_level=0)
     model = PackedModel(tmp_path, "m")
     for index, prompt in enumerate(reference(name)["prompts"]):
         assert prompt["min_top1_margin"] > 5e-4  # no near-tie decides this test

@@ -62,11 +62,12 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
     """``--quantize`` and its two knobs, the same wherever slices are written."""
     parser.add_argument(
         "--quantize",
-        choices=("int8", "int4", "int4-mixed"),
+        choices=("int8", "int4", "int4-mixed", "fp32"),
         default=None,
         help="weight-only block-wise quantization of every linear layer of each rank's slice "
         "(onnxruntime MatMulNBits; int4-mixed: MLP down projection and LM head at int8); "
-        "default: fp32",
+        "default: fp32, except export gguf: each weight at the precision its GGUF type maps "
+        "to (docs/models.md), fp32 for all with --quantize fp32",
     )
     parser.add_argument(
         "--block-size",
@@ -80,7 +81,8 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
         choices=(0, 4),
         default=4,
         help="MatMulNBits accuracy_level: 4 quantizes activations to int8 per block (fast, "
-        "default); 0 keeps them fp32 (exact against the dequantized weights, slow for int8)",
+        "default); 0 keeps them fp32 (exact against the dequantized weights, slow for int8); "
+        "with --quantize, or export gguf",
     )
 
 
@@ -175,7 +177,8 @@ def _export_hf(args: argparse.Namespace) -> int:
 def _export_gguf(args: argparse.Namespace) -> int:
     from shardserve.tools.export.gguf import export_gguf
 
-    return _export("export gguf", functools.partial(export_gguf, args.gguf_file), args)
+    exporter = functools.partial(export_gguf, args.gguf_file, accuracy_level=args.accuracy_level)
+    return _export("export gguf", exporter, args)
 
 
 def _default_name(args: argparse.Namespace) -> str:

@@ -4,7 +4,9 @@ segment (``graph``)."""
 
 from shardserve.tools.quantize.blocks import QuantizedBlocks, dequantize, quantize_blocks
 from shardserve.tools.quantize.graph import (
+    AS_SOURCE,
     DEFAULT_BLOCK_SIZE,
+    FP32,
     PRECISIONS,
     QuantizeSpec,
     quantize_model,
@@ -14,8 +16,10 @@ from shardserve.tools.quantize.graph import (
 from shardserve.tools.quantize.nodes import DEFAULT_ACCURACY_LEVEL, NBitsMatMul, matmul_nbits
 
 __all__ = [
+    "AS_SOURCE",
     "DEFAULT_ACCURACY_LEVEL",
     "DEFAULT_BLOCK_SIZE",
+    "FP32",
     "PRECISIONS",
     "NBitsMatMul",
     "QuantizeSpec",

@@ -30,6 +30,8 @@ from shardserve.tools.quantize.nodes import (
 )
 
 __all__ = [
+    "AS_SOURCE",
+    "FP32",
     "PRECISIONS",
     "QuantizeSpec",
     "quantize_model",
@@ -44,6 +46,11 @@ PRECISIONS = {"int8": 8, "int4": 4, "int4-mixed": 4}
 MIXED_8BIT_PREFIXES = ("mlp_out.", "lm_head")
 MIXED_8BIT_BLOCK = 32
 DEFAULT_BLOCK_SIZE = 32
+# Each linear weight at the format of the blocks its source hands out (``kept``), fp32
+# where it hands out none: a GGUF file's own types (shardserve.tools.export.gguf.precision).
+AS_SOURCE = "source"
+# No quantization (the default of every exporter but GGUF's, which serves a file's own types).
+FP32 = "fp32"
 
 
 @dataclass(frozen=True)
@@ -56,11 +63,13 @@ class QuantizeSpec:
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
 
     def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
+        if self.precision not in (*PRECISIONS, AS_SOURCE, FP32):
             raise ExportError(
-                f"quantize precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}"
+                f"quantize precision must be one of {sorted([*PRECISIONS, FP32])}, "
+                f"got {self.precision!r}"
             )
-        check_block_size(self.bits, self.block_size)
+        if self.precision in PRECISIONS:
+            check_block_size(self.bits, self.block_size)
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise ExportError(
                 f"accuracy level must be one of {ACCURACY_LEVELS}, got {self.accuracy_level}"
@@ -70,14 +79,19 @@ class QuantizeSpec:
     def bits(self) -> int:
         return PRECISIONS[self.precision]
 
-    def format_for(self, weight_name: str) -> tuple[int, int]:
-        """(bits, block size) of one weight."""
+    def format_for(self, weight_name: str) -> tuple[int, int] | None:
+        """(bits, block size) of one weight; None: as its source's blocks (AS_SOURCE),
+        or fp32 (FP32)."""
+        if self.precision not in PRECISIONS:
+            return None
         if self.precision == "int4-mixed" and weight_name.startswith(MIXED_8BIT_PREFIXES):
             return 8, MIXED_8BIT_BLOCK
         return self.bits, self.block_size
 
     def origin(self) -> dict[str, str | int]:
         """What group.json's ``origin`` records: the precision is part of the slice."""
+        if self.precision == FP32:
+            return {}
         return {
             "quantize": self.precision,
             "quantize_block_size": self.block_size,
@@ -92,6 +106,8 @@ def quantize_model(
 ) -> onnx.ModelProto:
     """A copy of ``model`` with its constant-weight linear layers as ``MatMulNBits``
     (``kept``: blocks made at the source, by weight initializer name)."""
+    if spec.precision == FP32:
+        return model
     graph = model.graph
     weights = {t.name: t for t in graph.initializer}
     uses = Counter(name for node in graph.node for name in node.input)
@@ -122,17 +138,12 @@ def _replace(
     if linear is None:
         return None
     weight_nk, bias = linear
-    blocks = kept.get(node.input[1])
-    bits, block_size = spec.format_for(node.input[1])
-    if blocks is None or (blocks.bits, blocks.block_size) != (bits, block_size):
-        blocks = quantize_blocks(weight_nk, bits, block_size)
-    elif (blocks.n, blocks.k) != weight_nk.shape:
-        raise ExportError(
-            f"kept blocks of {node.input[1]!r} are [{blocks.n}, {blocks.k}], "
-            f"its weight is {list(weight_nk.shape)}"
-        )
+    name = node.input[1]
+    blocks = _chosen_blocks(name, weight_nk, kept.get(name), spec.format_for(name))
+    if blocks is None:
+        return None  # as its source: fp32
     return matmul_nbits(
-        node.input[1],
+        name,
         blocks,
         activation=node.input[0],
         output=node.output[0],
@@ -140,6 +151,24 @@ def _replace(
         bias=bias,
         node_name=node.name or None,
     )
+
+
+def _chosen_blocks(
+    name: str,
+    weight_nk: np.ndarray,
+    blocks: QuantizedBlocks | None,
+    wanted: tuple[int, int] | None,
+) -> QuantizedBlocks | None:
+    """The source's blocks when they have the wanted (bits, block size), or any with
+    ``wanted`` None; else the weight rounded to ``wanted``; None: no blocks, stays fp32."""
+    if wanted is not None and (blocks is None or (blocks.bits, blocks.block_size) != wanted):
+        return quantize_blocks(weight_nk, *wanted)
+    if blocks is not None and (blocks.n, blocks.k) != weight_nk.shape:
+        raise ExportError(
+            f"kept blocks of {name!r} are [{blocks.n}, {blocks.k}], "
+            f"its weight is {list(weight_nk.shape)}"
+        )
+    return blocks
 
 
 def _linear(
