@@ -23,7 +23,6 @@ sequence's KV cache on every rank, as an HTTP disconnect does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
@@ -35,6 +34,7 @@ from aiohttp import web
 from shardserve.errors import BadInputError, InferenceError
 from shardserve.wire.protocol import GenerateChunk, ServableStatus
 from shardserve.wire.tensors import BYTES_DTYPE, Tensor, pack_bytes_elements
+from shardserve_gateway.codecs.kserve import parse_json_object
 from shardserve_gateway.codecs.openai_requests import parse
 from shardserve_gateway.generation.metrics import StreamTiming
 from shardserve_gateway.generation.requests import (
@@ -89,6 +89,8 @@ class StreamInfer:
 
         async def send(response: pb.ModelStreamInferResponse) -> None:
             async with lock:  # one write at a time on the call
+                if context.done():  # ended (deadline, cancel): a write would fail, unread
+                    return
                 await context.write(response)
 
         refused: InferenceError | None = None
@@ -213,14 +215,8 @@ def _text(name: str, tensor: Tensor) -> str:
 
 
 def _sampling_json(tensor: Tensor) -> dict[str, Any]:
-    text = _text(SAMPLING_JSON, tensor)
-    try:
-        values = json.loads(text)
-    except ValueError:
-        raise BadInputError(f"input {SAMPLING_JSON!r} is not JSON") from None
-    if not isinstance(values, dict):
-        raise BadInputError(f"input {SAMPLING_JSON!r} must be a JSON object")
-    return values
+    what = f"input {SAMPLING_JSON!r}"
+    return parse_json_object(_text(SAMPLING_JSON, tensor).encode(), what, exact=True)
 
 
 def _scalar(name: str, tensor: Tensor) -> Any:
