@@ -3,9 +3,10 @@
 
     .venv/bin/pip install py-spy   # a profiling tool, not a dependency of shardserve
     python -m benchmarks.gen_profile [--model bench-small] [--rank-size 1] [--stage-size 1]
-        [--concurrency 1] [--seconds 15] [--output-len 128]
+        [--concurrency 1] [--seconds 15] [--output-len 128] [--threads 1]
+        [--repo REPO --name SERVABLE]   # any exported repository instead
 
-The mesh runs like the benchmark's (``--threads 1``, the same KV budget); requests of 32
+The mesh runs like the benchmark's (``--threads 1`` unless told, the same KV budget); requests of 32
 prompt tokens keep it decoding. Printed per service: busy share of one core, the inclusive
 share of the step path's frames, the top inclusive frames and leaves (raw profiles kept).
 """
@@ -82,22 +83,28 @@ async def _keep_decoding(url: str, model: str, args: argparse.Namespace) -> list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gen_profile")
-    parser.add_argument("--model", default="bench-small", choices=gen_models.BENCH_MODELS)
+    parser.add_argument("--model", default="bench-small")
     parser.add_argument("--rank-size", type=int, default=1)
     parser.add_argument("--stage-size", type=int, default=1)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
+    parser.add_argument("--threads", default="1", help="shardserve up --threads")
+    parser.add_argument("--repo", type=Path, help="profile this repository's servable...")
+    parser.add_argument("--name", help="...of this name instead of a benchmark model")
     args = parser.parse_args(argv)
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(py_spy).exists():
         print("py-spy is not installed: .venv/bin/pip install py-spy", file=sys.stderr)
         return 2
-    repo = gen_models.exported(args.model, args.rank_size, args.stage_size)
+    if args.repo is not None:
+        repo, args.model = args.repo, args.name or args.model
+    else:
+        repo = gen_models.exported(args.model, args.rank_size, args.stage_size)
     work = Path(tempfile.mkdtemp(prefix="shardserve-gen-profile-"))
     (work / "logs").mkdir()
-    up_args = ("--threads", "1")
+    up_args = ("--threads", args.threads)
     with (
         dedicated_vhost() as url,
         running_mesh(repo, url, work / "logs", env=MESH_ENV, up_args=up_args) as mesh,
