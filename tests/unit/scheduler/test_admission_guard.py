@@ -35,7 +35,7 @@ def test_a_bug_admitting_a_request_answers_it_with_an_internal_error(
         )
         (reply,) = service.intake.admit_or_fail(request, "reply.q", "c-1")
     finally:
-        service._pool.shutdown()
+        service.python_runs.shutdown()
     assert isinstance(reply, Reply)
     assert (reply.reply_to, reply.correlation_id, reply.reply.id) == ("reply.q", "c-1", "r-1")
     assert reply.reply.error is not None and reply.reply.error.code == ErrorCode.INTERNAL
