@@ -80,7 +80,7 @@ def test_the_model_reads_the_environment_and_makes_what_is_read_after() -> None:
     assert composed.layers == (3,)
     assert composed.segment_inputs == {"s0.onnx": ("x",), "s1.onnx": ("attn", "x")}
     kinds = [node.op_type for node in composed.model.graph.node]
-    assert kinds.count("If") == 2 and kinds.count("GroupQueryAttention") == 1
+    assert kinds == ["If", "If", "If"]  # segment, attention, segment
     outputs = {value.name for value in composed.model.graph.output}
     assert {"present_key.3", "present_value.3", "y"} <= outputs
 
@@ -151,3 +151,18 @@ def test_a_light_model_points_at_its_weights_in_the_file(tmp_path: Path) -> None
         light_session.run(None, {"x": x}), _session(model).run(None, {"x": x}), strict=True
     ):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_segment_run_feeds_only_what_the_segment_reads() -> None:
+    """Every input has a default (flags false), the attention sits in an If on ``fused``:
+    segment s1 runs on its own reads and its flag, and no GroupQueryAttention runs."""
+    composed = compose_piece(OPS, segments(), read_after={"y"})
+    graph = composed.model.graph
+    assert {value.name for value in graph.input} <= {t.name for t in graph.initializer}
+    [attention] = [node for node in graph.node if node.name == "attention3"]
+    assert list(attention.input) == ["fused"]
+    session = _session(composed.model)
+    rng = np.random.default_rng(2)
+    attn, x = (rng.standard_normal((3, HQ * D), dtype=np.float32) for _ in range(2))
+    [y] = session.run(["y"], {"attn@in": attn, "x": x, "run.1": np.array(True)})
+    np.testing.assert_array_equal(y, attn + x)

@@ -17,14 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx import helper
 
 from shardserve.errors import InternalError
 from shardserve.repo.repository import AttentionOp, ProgramOp, RunOp, StageSpec
 from shardserve.runtime.attention import SoleSequence
 from shardserve.runtime.compose import (
     FUSED,
-    GQA_ROWS,
     SEQLENS_K,
     TOTAL_LENGTH,
     ComposedPiece,
@@ -40,8 +38,8 @@ from shardserve.runtime.program import OrtSegment
 
 __all__ = ["ComposedRank", "Piece", "compose_stage", "open_pieces"]
 
-ALL_ROWS = np.array([np.iinfo(np.int64).max], np.int64)
-ONE_ROW = np.array([1], np.int64)
+TRUE = np.array(True)
+QUIET = 3  # onnxruntime's log severity: errors only
 # Where a model given as bytes finds its external data (the rank folder).
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
@@ -69,10 +67,6 @@ class Piece:
         self._threaded = run_in_thread
         self.composed = composed
         self.session = session
-        self._dummies = {
-            name: np.zeros(shape, helper.tensor_dtype_to_np_dtype(dtype))
-            for name, (dtype, shape) in composed.dummies.items()
-        }
         self.whole = OrtSegment(_WholeView(self), run_in_thread)
 
     @property
@@ -96,10 +90,6 @@ class Piece:
                 feeds[name] = half[None]
         return feeds
 
-    def standing_in(self) -> dict[str, np.ndarray]:
-        """Every input's one-row stand-in (what a run that does not read it is fed)."""
-        return dict(self._dummies)
-
 
 class _SegmentView:
     """The session seen as segment ``index``: only its If branch runs, its inputs fed."""
@@ -112,6 +102,7 @@ class _SegmentView:
         self._reads = composed.segment_inputs[file]
         self._makes = composed.segment_outputs[file]
         self._outside = set(composed.inputs)
+        self._flag = run_flag(index)
 
     def get_inputs(self) -> list[_Port]:
         return [_Port(name) for name in self._reads]
@@ -120,16 +111,10 @@ class _SegmentView:
         return [_Port(name) for name in self._makes]
 
     def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        full = self._piece.standing_in()
-        for name, array in feeds.items():
-            full[name if name in self._outside else fed(name)] = array
-        for index in range(len(self._piece.composed.segments)):
-            full[run_flag(index)] = np.array(index == self._index)
-        full[FUSED] = np.array(False)
-        # the unused GroupQueryAttention nodes: one row over a one-position stand-in cache
-        full[GQA_ROWS] = ONE_ROW
-        full[SEQLENS_K] = np.zeros(1, np.int32)
-        full[TOTAL_LENGTH] = np.array(1, np.int32)
+        # Every other input keeps its default: flags false, so no other segment and no
+        # attention runs.
+        full = {name if name in self._outside else fed(name): a for name, a in feeds.items()}
+        full[self._flag] = TRUE
         outputs: list[np.ndarray] = self._piece.session.run(output_names, full)  # type: ignore[attr-defined]
         return outputs
 
@@ -149,19 +134,20 @@ class _WholeView:
 
     def run(self, output_names: list[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         piece = self._piece
-        full = piece.standing_in()
-        full.update(feeds)
+        full = dict(feeds)
         for index in range(len(piece.composed.segments)):
-            full[run_flag(index)] = np.array(True)
-        full[FUSED] = np.array(True)
-        full[GQA_ROWS] = ALL_ROWS
+            full[run_flag(index)] = TRUE
+        full[FUSED] = TRUE
         binding = piece.session.io_binding()  # type: ignore[attr-defined]
         caches = {name for layer in self._layers for name in past_names(layer)}
+        held: list[ort.OrtValue] = []  # the bound inputs' memory, alive until the run ends
         for name, array in full.items():
             if name in caches:
                 _bind_cache(binding, name, array)
             else:
-                binding.bind_cpu_input(name, np.ascontiguousarray(array))
+                # (bind_cpu_input looks the name up among the inputs without a default)
+                held.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
+                binding.bind_ortvalue_input(name, held[-1])
         for name in output_names:
             binding.bind_output(name, "cpu")
         for layer in self._layers:
@@ -235,6 +221,8 @@ def open_pieces(
         piece_options = options()
         folder = files[composed.segments[0]].parent
         piece_options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(folder))
+        # onnxruntime warns once per input that has a default (all of them, by design)
+        piece_options.log_severity_level = max(piece_options.log_severity_level, QUIET)
         model = composed.model.SerializeToString()
         session = ort.InferenceSession(model, piece_options, providers=["CPUExecutionProvider"])
         pieces[first] = Piece(first, stop, composed, session, run_in_thread)
