@@ -154,7 +154,10 @@ class _WholeView:
             for past, present in zip(past_names(layer), present_names(layer), strict=True):
                 _bind_cache(binding, present, full[past], output=True)
         piece.session.run_with_iobinding(binding)  # type: ignore[attr-defined]
-        return list(binding.copy_outputs_to_cpu()[: len(output_names)])
+        # Only the asked outputs become arrays: the present K/V outputs after them are the
+        # sequence's whole cache (tens of MB at long contexts), already written in place.
+        asked = binding.get_outputs()[: len(output_names)]
+        return [value.numpy() for value in asked]
 
 
 def _bind_cache(binding: object, name: str, array: np.ndarray, *, output: bool = False) -> None:
