@@ -28,16 +28,18 @@ import aiohttp
 import msgpack
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as triton
 
 from shardserve.errors import ErrorCode
 from shardserve.ops.child_mesh import LocalMesh
+from shardserve.text.token_bound import most_bytes_per_token, prompt_bytes_limit
 from shardserve.wire import codec, topology
 from shardserve.wire.bounds import MAX_ARRAY_ITEMS, MAX_PROMPT_BYTES, MAX_STR_BYTES, MAX_TOKEN_ID
 from shardserve.wire.protocol import GenerateChunk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generation_http import fixture_mesh
+from generation_http import FIXTURE, fixture_mesh
 
 pytestmark = pytest.mark.integration
 
@@ -46,6 +48,18 @@ WAIT_S = 120.0  # a bound for a failing test; every answer here comes at once
 TOO_LONG = "x" * 2_000_000
 HALF = "x" * (MAX_PROMPT_BYTES // 2 + 1)  # two of them: past the prompt's limit together
 IDS = list(range(1_100_000))  # past the decoder's array limit
+
+
+def context_bytes_limit() -> int:
+    """The fixture's text prompt limit: its context (128) at its tokenizer's byte bound."""
+    per_token = most_bytes_per_token(json.loads((FIXTURE / "tokenizer.json").read_text()))
+    context = json.loads((FIXTURE / "config.json").read_text())["max_position_embeddings"]
+    assert per_token is not None
+    return prompt_bytes_limit(context, per_token)
+
+
+CONTEXT_BYTES = context_bytes_limit()
+PAST_CONTEXT = "x" * (CONTEXT_BYTES + 1)  # within the wire's limit, surely past the context
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +90,10 @@ HTTP_CASES = [
     (GENERATE, {"text_input": TOO_LONG}, f"limit of {MAX_PROMPT_BYTES}"),
     (GENERATE + "_stream", {"text_input": TOO_LONG}, f"limit of {MAX_PROMPT_BYTES}"),
     (GENERATE, {"text_input": "hi", "stop": ["a"] * 17}, "at most 16"),
+    # the servable's own bound (its status): refused by the gateway, not published
+    ("/v1/completions", completion(prompt=PAST_CONTEXT), f"takes at most {CONTEXT_BYTES}"),
+    (GENERATE, {"text_input": PAST_CONTEXT}, f"takes at most {CONTEXT_BYTES}"),
+    (GENERATE + "_stream", {"text_input": PAST_CONTEXT}, f"takes at most {CONTEXT_BYTES}"),
 ]
 
 
@@ -200,3 +218,13 @@ async def test_a_queue_level_request_past_a_limit_gets_an_error_chunk_naming_it(
         chunk = answered[correlation_id]
         assert chunk.seq == 0 and chunk.error is not None, chunk
         assert chunk.error.code == ErrorCode.BAD_INPUT and words in chunk.error.message, chunk
+
+
+def test_a_prompt_at_the_context_bound_goes_to_the_scheduler(mesh: LocalMesh) -> None:
+    """The gateway refuses no more than the scheduler would: at the bound itself the prompt
+    is published, tokenized and refused there for its token count."""
+    body = completion(prompt="x" * CONTEXT_BYTES)
+    answer = requests.post(mesh.http_url + "/v1/completions", json=body, timeout=WAIT_S)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "takes at most" not in message and "context" in message, message

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardserve.errors import BadInputError
-from shardserve.text.token_bound import most_bytes_per_token
+from shardserve.text.token_bound import most_bytes_per_token, prompt_bytes_limit
 from shardserve.text.tokenizer import TextModel
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
@@ -48,6 +48,16 @@ def test_a_prompt_past_the_context_is_refused_naming_the_bound() -> None:
     with pytest.raises(BadInputError, match="context is 128 tokens"):
         text.encode_chat([{"role": "user", "content": "x" * 10_000}], context=128)
     assert text.encode("hello world", context=128) == text.encode("hello world")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_prompt_bytes_limit_is_where_the_refusal_starts(model: str) -> None:
+    per_token = most_bytes_per_token(SPECS[model])
+    assert per_token is not None
+    limit = prompt_bytes_limit(128, per_token)
+    TEXT_MODELS[model].encode("x" * limit, context=128)  # (not refused by the bound)
+    with pytest.raises(BadInputError, match="context is 128 tokens"):
+        TEXT_MODELS[model].encode("x" * (limit + 1), context=128)
 
 
 def sentencepiece_like(**changes: Any) -> dict[str, Any]:

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["most_bytes_per_token"]
+__all__ = ["ORIGIN_KEY", "most_bytes_per_token", "prompt_bytes_limit"]
+
+# The key of a servable's group.json ``origin`` that holds its tokenizer's bound (written
+# at export, read by the scheduler for the servable's status).
+ORIGIN_KEY = "most_bytes_per_token"
 
 # Pre-tokenizers that keep every byte (when their behavior is not "removed").
 _KEEPING = frozenset({"ByteLevel", "Split", "Digits", "Punctuation"})
@@ -50,3 +54,9 @@ def _byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
         for step in steps
     )
     return keeps and any(step.get("type") == "ByteLevel" for step in steps)
+
+
+def prompt_bytes_limit(context: int, per_token: int) -> int:
+    """The most UTF-8 bytes a text may have and still possibly fit in ``context`` tokens:
+    one byte more, and it has at least ``context`` tokens (``ceil(bytes / per_token)``)."""
+    return (context - 1) * per_token

@@ -184,6 +184,10 @@ class ServableStatus(BaseModel):
     batched_instances_total: int = 0
     state: Literal["loading", "available", "unloading", "failed"] = "available"
     generation: bool = False  # a text-generation servable (OpenAI / generate routes)
+    # A text prompt of more UTF-8 bytes surely has no room in the context (its tokenizer
+    # bounds the bytes a token stands for: shardserve.text.token_bound); None: no bound.
+    # Gateways refuse such prompts before publishing, as the scheduler would.
+    prompt_bytes_limit: int | None = None
     running_sequences: int = 0
     waiting_sequences: int = 0
     prompt_tokens_total: int = 0

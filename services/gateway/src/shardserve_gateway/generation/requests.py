@@ -100,9 +100,11 @@ def generate_request(
     prompt_ids: tuple[int, ...] | None = None,
     messages: tuple[ChatMessage, ...] | None = None,
 ) -> GenerateRequest:
-    """The wire request; what the API bodies let through and the wire refuses is a 400."""
+    """The wire request; what the API bodies let through and the wire refuses is a 400,
+    as is a text prompt the servable would surely refuse for its size (checked here, before
+    the prompt travels to the scheduler)."""
     try:
-        return GenerateRequest(
+        request = GenerateRequest(
             id=request_id_var.get(),
             servable=servable.name,
             version=servable.version,
@@ -117,6 +119,21 @@ def generate_request(
         where = ".".join(str(part) for part in first["loc"])
         message = first["msg"].removeprefix("Value error, ")
         raise BadInputError(f"{where}: {message}" if where else message) from None
+    if prompt is not None:
+        _check_prompt_bytes(servable, prompt)
+    return request
+
+
+def _check_prompt_bytes(servable: ServableStatus, prompt: str) -> None:
+    limit = servable.prompt_bytes_limit
+    if limit is None:
+        return
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise BadInputError(
+            f"the prompt has {size} UTF-8 bytes; servable {servable.name} takes at most "
+            f"{limit} (past that it surely has more tokens than the model's context)"
+        )
 
 
 def raise_chunk_error(chunk: GenerateChunk) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
+from shardserve.repo.repository import GroupConfig
+from shardserve.text.token_bound import ORIGIN_KEY, prompt_bytes_limit
 from shardserve.wire.protocol import MeshStatus, MethodStatus, ServableStatus
 from shardserve_scheduler.core.catalog import Catalog, ServableEntry, VersionEntry
 from shardserve_scheduler.core.generation.lanes import GenerationStats
@@ -100,7 +102,17 @@ def _version_status(
         batched_instances_total=stats.batched_instances_total,
         state=_state(problem, unloading, ready, group),
         generation=entry.generation,
+        prompt_bytes_limit=_prompt_bytes_limit(config) if entry.generation else None,
     )
+
+
+def _prompt_bytes_limit(group: GroupConfig) -> int | None:
+    """The text prompt size past which the version surely refuses (the origin's context and
+    tokenizer bound, written at export); None when either is missing."""
+    context, per_token = group.origin.get("max_positions"), group.origin.get(ORIGIN_KEY)
+    if type(context) is not int or type(per_token) is not int or context < 1 or per_token < 1:
+        return None
+    return prompt_bytes_limit(context, per_token)
 
 
 def _with_generation(status: ServableStatus, view: GenerationView | None) -> ServableStatus:

@@ -10,6 +10,7 @@ generation_config.json), their sha256 listed in group.json's ``origin``.
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from shardserve.repo.repository import (
     sha256_file,
     write_group,
 )
+from shardserve.text.token_bound import ORIGIN_KEY, most_bytes_per_token
 from shardserve.text.tokenizer import TextModel
 from shardserve.tools.common import (
     ExportPlan,
@@ -145,6 +147,7 @@ def export_decoder(
             tokenizer = source.write_tokenizer(staging / TOKENIZER_DIR)
             export = _export_plan(config, name, version, rank_size, stage_size, programs)
             export = _with_origin(export, source, tokenizer, quantize)
+            export = _with_byte_bound(export, staging / TOKENIZER_DIR / "tokenizer.json")
             group = group_config(export, ranks)
             write_group(staging, group)
             write_rank_table(staging, rank_size)
@@ -201,6 +204,17 @@ def _rank_line(rank: int, rank_size: int, staging: Path) -> str:
     folder = staging / f"rank_{rank}"
     size = sum(p.stat().st_size for p in folder.iterdir())
     return f"rank {rank}/{rank_size}: wrote {len(list(folder.iterdir()))} files ({size} bytes)"
+
+
+def _with_byte_bound(plan: ExportPlan, tokenizer_json: Path) -> ExportPlan:
+    """The tokenizer's most bytes per token in the origin, when it bounds them: the
+    scheduler tells gateways which prompts surely do not fit (``ServableStatus``)."""
+    if not tokenizer_json.is_file():
+        return plan
+    per_token = most_bytes_per_token(json.loads(tokenizer_json.read_text(encoding="utf-8")))
+    if per_token is None:
+        return plan
+    return replace(plan, origin={**plan.origin, ORIGIN_KEY: per_token})
 
 
 def _check_tokenizer(checkpoint: Path, servable: str, vocab: int) -> None:
