@@ -37,7 +37,7 @@ from shardserve.errors import BadInputError, RepositoryError
 from shardserve.text.chat import ChatTemplate, Message
 from shardserve.text.detokenize import IncrementalDetokenizer
 from shardserve.text.folder import TOKENIZER_FILE, TokenizerFolder
-from shardserve.text.token_bound import most_bytes_per_token
+from shardserve.text.token_bound import most_bytes_per_token, prompt_bytes_limit
 from shardserve.wire.protocol import TokenLogprob
 
 __all__ = ["TextModel"]
@@ -127,8 +127,8 @@ class TextModel:
         if context is None or per_token is None:
             return
         size = len(text.encode("utf-8", "surrogatepass"))
-        fewest = -(-size // per_token)
-        if fewest >= context:
+        if size > prompt_bytes_limit(context, per_token):
+            fewest = -(-size // per_token)
             raise BadInputError(
                 f"the prompt has at least {fewest} tokens ({size} bytes, at most {per_token} "
                 f"a token); the model's context is {context} tokens, which leaves no room to "
