@@ -30,6 +30,7 @@ import onnxruntime as ort
 from benchmarks import gen_models
 from benchmarks.gen_client import random_prompts
 from benchmarks.gen_floor import FloorModel
+from shardserve.runtime.thread_pools import set_threads
 
 
 def op_totals_ms(events: list[dict[str, Any]]) -> dict[str, float]:
@@ -77,8 +78,7 @@ class ProfiledSessions:
     def options(self, name: str = "piece") -> ort.SessionOptions:
         """A session's options (a composed piece's: its session is ``adopt``-ed after)."""
         options = ort.SessionOptions()
-        options.intra_op_num_threads = self.threads
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        set_threads(options, self.threads)  # as the agents' sessions
         if self.prefix is not None:
             options.enable_profiling = True
             options.profile_file_prefix = str(self.prefix / f"{name}{len(self.sessions)}")
