@@ -151,9 +151,19 @@ def _wait_for(what: str, check: Any, within_s: float, services: list[Service]) -
 
 
 def _stop_all(services: list[Service]) -> dict[str, int]:
+    """Every service's exit code; each is stopped even when one ignores SIGTERM (else the
+    rest outlive the test and fail the next one)."""
     for service in reversed(services):  # SIGTERM all first, then wait: quicker
         service.terminate()
-    return {service.name: service.stop() for service in services}
+    codes: dict[str, int] = {}
+    failures: list[str] = []
+    for service in services:
+        try:
+            codes[service.name] = service.stop()
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
+    return codes
 
 
 # ---------------------------------------------------------------- fixtures

@@ -17,6 +17,7 @@ import uuid
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import ShardserveError
+from shardserve.process.waits import within
 from shardserve.repo.repository import GroupConfig
 from shardserve.wire.protocol import AgentHello, RegistrationVerdict
 from shardserve.wire.topology import (
@@ -90,7 +91,7 @@ async def _ask(
     while loop.time() < give_up:
         await broker.publish(CONTROL_EXCHANGE, KEY_AGENT_HELLO, hello)
         try:
-            return await asyncio.wait_for(verdicts.get(), 1.0)
+            return await within(verdicts.get(), 1.0)
         except TimeoutError:
             continue
     return None

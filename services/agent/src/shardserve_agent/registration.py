@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import ShardserveError
+from shardserve.process.waits import within
 from shardserve.wire.protocol import AgentBye, AgentHeartbeat, AgentHello, RegistrationVerdict
 from shardserve.wire.topology import (
     CONTROL_EXCHANGE,
@@ -106,7 +107,7 @@ class Registration:
         while not stop.is_set():
             await self.send_hello()
             try:
-                return await asyncio.wait_for(self._verdicts.get(), timeout=resend_every)
+                return await within(self._verdicts.get(), resend_every)
             except TimeoutError:
                 _logger.debug("no registration verdict yet; saying hello again")
         return None

@@ -42,6 +42,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
+from shardserve.process.waits import wait_event
 from shardserve.wire import topology
 from shardserve.wire.protocol import SchedulerHello
 
@@ -98,8 +99,7 @@ class Leadership:
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), CHECK_SECONDS)
+            await wait_event(self._wake, CHECK_SECONDS)
             self._wake.clear()
             if self.closing:
                 return

@@ -9,12 +9,12 @@ it waits for, and keeps ``idle`` (no request or sequence open), which the drain 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterable
 
 from aio_pika.abc import AbstractIncomingMessage
 
+from shardserve.process.waits import wait_event
 from shardserve.wire.protocol import Message, StageResult, StepResult
 from shardserve_scheduler.core.actions import Action
 from shardserve_scheduler.core.generation.machine import GenerationMachine
@@ -86,9 +86,7 @@ class Machines:
         if due is not None:
             timeout = min(timeout, max(0.0, due - self._clock()))
         self._due.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):  # (no task per wait, as wait_for makes)
-                await self._due.wait()
+        await wait_event(self._due, timeout)
 
     def _next_wakeup(self) -> float | None:
         times = (self.inference.next_wakeup(), self.generation.next_wakeup())
@@ -115,5 +113,4 @@ class Machines:
 
     async def wait_idle(self, within_s: float) -> None:
         """Until nothing is open, or ``within_s`` passed."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), within_s)
+        await wait_event(self._idle, within_s)

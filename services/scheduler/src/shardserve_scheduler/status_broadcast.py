@@ -8,12 +8,12 @@ the queues' depths), so a standby stays silent. ``changed`` asks for a status at
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
+from shardserve.process.waits import wait_event
 from shardserve.wire import topology
 from shardserve_scheduler.core.catalog import Catalog
 from shardserve_scheduler.core.registry import Registry
@@ -58,8 +58,7 @@ class StatusBroadcast:
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._interval_s)
+            await wait_event(self._changed, self._interval_s)
             self._changed.clear()
             if self._is_active():  # a standby stays silent: gateways follow one scheduler
                 await self._publish()

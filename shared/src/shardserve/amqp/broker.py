@@ -44,6 +44,7 @@ from shardserve.amqp.failover import FailoverConnection
 from shardserve.errors import CodecError, OverloadedError, UnavailableError
 from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
+from shardserve.process.waits import within
 from shardserve.wire import chunking, codec
 from shardserve.wire.protocol import Message
 from shardserve.wire.topology import DEAD_EXCHANGE, EXCHANGES, Binding, Queue
@@ -427,7 +428,7 @@ class Broker:
         the reconnect (the broker drops the consumer with the old connection anyway)."""
         queue = self._consumers.pop(consumer_tag, None)
         if queue is not None:
-            await asyncio.wait_for(queue.cancel(consumer_tag), self._settings.publish_timeout_s)
+            await within(queue.cancel(consumer_tag), self._settings.publish_timeout_s)
 
     async def _dispatch(
         self,

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from shardserve.process.waits import wait_event
+
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
 
@@ -120,8 +122,7 @@ class Supervised:
                 self._backoff.delay_after(self._clock() - started), self.spec.min_restart_delay
             )
             self.say(f"{describe_exit(code)}; restarting in {delay:g} s")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), delay)
+            await wait_event(self._stopping, delay)
 
     async def _run_once(self) -> int:
         try:
@@ -157,11 +158,9 @@ class Supervised:
         """SIGTERM the child's group, wait up to ``grace`` s, then SIGKILL it; no restart."""
         self._stopping.set()
         self._signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self._done.wait(), grace)
+        if await wait_event(self._done, grace):
             return
-        except TimeoutError:
-            self.say(f"still running {grace:g} s after SIGTERM; sending SIGKILL")
+        self.say(f"still running {grace:g} s after SIGTERM; sending SIGKILL")
         self._signal(signal.SIGKILL)
         await self._done.wait()
 
@@ -171,11 +170,7 @@ class Supervised:
 
     async def wait_done(self, within: float) -> bool:
         """Wait up to ``within`` s for ``run`` to end; True if it did."""
-        try:
-            await asyncio.wait_for(self._done.wait(), within)
-        except TimeoutError:
-            return False
-        return True
+        return await wait_event(self._done, within)
 
     def kill_now(self) -> None:
         """Last resort (second Ctrl-C, or the launcher failing): SIGKILL without waiting."""
