@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from shardserve.process.waits import wait_event, within
+from shardserve.process.waits import set_within, within
 
 Wait = Callable[[asyncio.Event, float], Awaitable[object]]
 
@@ -24,22 +24,24 @@ async def _wait_for(event: asyncio.Event, timeout_s: float) -> None:
         await asyncio.wait_for(event.wait(), timeout_s)
 
 
-async def _loop_ends_when_cancelled(wait: Wait, spins: int) -> bool:
-    """A ``while True`` loop over ``wait``; set its event, let ``spins`` iterations
-    pass, cancel it: whether it ended (False: it swallowed the cancel and kept looping)."""
+async def _loop_ends_when_cancelled(wait: Wait, cancel_after_wakeup: bool) -> bool:
+    """A ``while True`` loop over ``wait``; set its event and cancel it, either in the
+    same loop iteration or once it has woken and waits again: whether it ended (False: it
+    swallowed the cancel and kept looping)."""
     event = asyncio.Event()
+    waiting: asyncio.Queue[None] = asyncio.Queue()  # one item each time the loop waits
 
     async def loop() -> None:
         while True:
+            waiting.put_nowait(None)  # the loop suspends in ``wait`` before we resume
             await wait(event, 10.0)
             event.clear()
 
     task = asyncio.create_task(loop())
-    for _ in range(3):
-        await asyncio.sleep(0)  # the loop is waiting now
+    await waiting.get()
     event.set()
-    for _ in range(spins):
-        await asyncio.sleep(0)
+    if cancel_after_wakeup:
+        await waiting.get()
     task.cancel()
     try:
         async with asyncio.timeout(0.5):
@@ -53,26 +55,28 @@ async def _loop_ends_when_cancelled(wait: Wait, spins: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("spins", range(5))
-async def test_a_wait_event_loop_ends_when_cancelled_as_its_event_is_set(spins: int) -> None:
-    assert await _loop_ends_when_cancelled(wait_event, spins)
+@pytest.mark.parametrize("cancel_after_wakeup", [False, True])
+async def test_a_set_within_loop_ends_when_cancelled_as_its_event_is_set(
+    cancel_after_wakeup: bool,
+) -> None:
+    assert await _loop_ends_when_cancelled(set_within, cancel_after_wakeup)
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="wait_for keeps the cancel from 3.12")
 async def test_the_trap_is_real_wait_for_loses_that_cancel_on_311() -> None:
     """Why ``asyncio.wait_for`` is banned in the services (ruff TID251)."""
-    assert not await _loop_ends_when_cancelled(_wait_for, 0)
+    assert not await _loop_ends_when_cancelled(_wait_for, cancel_after_wakeup=False)
 
 
-async def test_wait_event_answers_whether_the_event_came() -> None:
+async def test_set_within_answers_whether_the_event_came() -> None:
     event = asyncio.Event()
-    assert await wait_event(event, 0.01) is False
-    assert await wait_event(event, -1.0) is False  # a spent limit is no limit error
+    assert await set_within(event, 0.01) is False
+    assert await set_within(event, -1.0) is False  # a spent limit is no limit error
     event.set()
-    assert await wait_event(event, 0.0) is True
+    assert await set_within(event, 0.0) is True
     later = asyncio.Event()
     asyncio.get_running_loop().call_later(0.01, later.set)
-    assert await wait_event(later, 5.0) is True
+    assert await set_within(later, 5.0) is True
 
 
 async def test_within_returns_the_result_or_raises_timeout() -> None:
@@ -86,14 +90,16 @@ async def test_within_returns_the_result_or_raises_timeout() -> None:
 
 async def test_within_keeps_a_cancel_that_meets_an_arriving_item() -> None:
     queue: asyncio.Queue[int] = asyncio.Queue()
+    waiting = asyncio.Event()
     taken: list[int] = []
 
     async def loop() -> None:
         while True:
+            waiting.set()  # the loop suspends in ``within`` before we resume
             taken.append(await within(queue.get(), 10.0))
 
     task = asyncio.create_task(loop())
-    await asyncio.sleep(0)
+    await waiting.wait()
     queue.put_nowait(1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

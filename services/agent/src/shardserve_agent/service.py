@@ -18,7 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from shardserve.amqp.broker import Broker
 from shardserve.amqp.collective import CollectiveHub
 from shardserve.amqp.collective_link import CollectiveLink
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.wire.protocol import (
     JobCancel,
@@ -155,7 +155,7 @@ class AgentService:
             if time.monotonic() + verdict.retry_after_s > give_up_at:
                 return verdict
             _logger.warning("%s; asking again in %.1f s", verdict.reason, verdict.retry_after_s)
-            if await wait_event(stop, verdict.retry_after_s):
+            if await set_within(stop, verdict.retry_after_s):
                 return None
 
     def _refused(self, verdict: RegistrationVerdict, stop: asyncio.Event) -> None:

@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from shardserve.amqp.collective import CollectiveHub, JobCancelledError, JobCollective
 from shardserve.errors import ErrorCode, InferenceError, ShardserveError
 from shardserve.process.lifecycle import request_id_var
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.runtime.kv_cache import KVCache
 from shardserve.runtime.program import Env, run_stage
 from shardserve.wire.protocol import (
@@ -148,7 +148,7 @@ class StageWorker:
 
     async def wait_idle(self, within_s: float) -> bool:
         """Wait (bounded) until every received delivery is answered; True if so."""
-        return await wait_event(self._idle, within_s)
+        return await set_within(self._idle, within_s)
 
     async def _outcome(self, work: StageWork) -> StageResult | None:
         """The result to send; None when there is none to send (a cancelled job, or a

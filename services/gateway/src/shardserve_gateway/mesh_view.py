@@ -27,7 +27,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import BadInputError, NotFoundError, UnavailableError
-from shardserve.process.lifecycle import set_within
+from shardserve.process.waits import set_within
 from shardserve.wire import topology
 from shardserve.wire.protocol import (
     MeshStatus,

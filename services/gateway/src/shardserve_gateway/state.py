@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 
 from shardserve.errors import UnavailableError
-from shardserve.process.lifecycle import set_within
+from shardserve.process.waits import set_within
 from shardserve_gateway.dispatch import Dispatcher
 from shardserve_gateway.mesh_view import MeshView
 from shardserve_gateway.metrics import UNKNOWN, Labels, Metrics

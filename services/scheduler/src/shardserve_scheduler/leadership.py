@@ -42,7 +42,7 @@ from aio_pika.abc import AbstractIncomingMessage
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.wire import topology
 from shardserve.wire.protocol import SchedulerHello
 
@@ -99,7 +99,7 @@ class Leadership:
 
     async def run(self) -> None:
         while True:
-            await wait_event(self._wake, CHECK_SECONDS)
+            await set_within(self._wake, CHECK_SECONDS)
             self._wake.clear()
             if self.closing:
                 return

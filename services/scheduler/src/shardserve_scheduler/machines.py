@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from aio_pika.abc import AbstractIncomingMessage
 
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.wire.protocol import Message, StageResult, StepResult
 from shardserve_scheduler.core.actions import Action
 from shardserve_scheduler.core.generation.machine import GenerationMachine
@@ -86,7 +86,7 @@ class Machines:
         if due is not None:
             timeout = min(timeout, max(0.0, due - self._clock()))
         self._due.clear()
-        await wait_event(self._due, timeout)
+        await set_within(self._due, timeout)
 
     def _next_wakeup(self) -> float | None:
         times = (self.inference.next_wakeup(), self.generation.next_wakeup())
@@ -113,4 +113,4 @@ class Machines:
 
     async def wait_idle(self, within_s: float) -> None:
         """Until nothing is open, or ``within_s`` passed."""
-        await wait_event(self._idle, within_s)
+        await set_within(self._idle, within_s)

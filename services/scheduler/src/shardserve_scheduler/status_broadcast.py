@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from shardserve.amqp.broker import Broker
 from shardserve.errors import InferenceError
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.wire import topology
 from shardserve_scheduler.core.catalog import Catalog
 from shardserve_scheduler.core.registry import Registry
@@ -58,7 +58,7 @@ class StatusBroadcast:
 
     async def run(self) -> None:
         while True:
-            await wait_event(self._changed, self._interval_s)
+            await set_within(self._changed, self._interval_s)
             self._changed.clear()
             if self._is_active():  # a standby stays silent: gateways follow one scheduler
                 await self._publish()

@@ -69,6 +69,7 @@ from typing import TypeVar
 import numpy as np
 
 from shardserve.errors import DeadlineError, ShardserveError
+from shardserve.process.waits import set_within
 from shardserve.wire.parts import Part, PartPhase
 from shardserve.wire.protocol import CollectivePart
 
@@ -419,8 +420,4 @@ class JobCollective:
                     f"rank {self._hub.rank}: collective step {step} of job {self.job} reached "
                     f"the deadline without the part(s) of rank(s) {', '.join(map(str, missing))}"
                 )
-            try:  # (a timeout scope: wait_for would make a task of every wait)
-                async with asyncio.timeout(remaining):
-                    await self.changed.wait()
-            except TimeoutError:
-                continue
+            await set_within(self.changed, remaining)

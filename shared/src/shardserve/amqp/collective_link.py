@@ -33,6 +33,7 @@ from shardserve.amqp.part_inbox import DeadLetter, PartInbox, PartSink
 from shardserve.errors import UnavailableError
 from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
+from shardserve.process.waits import set_within
 from shardserve.wire import chunking, codec, parts
 from shardserve.wire.parts import Part
 from shardserve.wire.topology import DEAD_EXCHANGE, EXCHANGES, Binding, Exchange, Queue
@@ -92,14 +93,11 @@ class CollectiveLink:
         """Connect, declare, consume; UnavailableError if no broker answers in time."""
         assert self._inbox is not None, "attach a sink first"
         self._supervisor = asyncio.create_task(self._keep_connected(), name=f"link-{self._name}")
-        try:
-            async with asyncio.timeout(OPEN_TIMEOUT_S):
-                await self._ready.wait()
-        except TimeoutError:
+        if not await set_within(self._ready, OPEN_TIMEOUT_S):
             await self.close()
             raise UnavailableError(
                 f"collective link {self._name}: no broker answered within {OPEN_TIMEOUT_S:g} s"
-            ) from None
+            )
 
     async def close(self) -> None:
         connection = self._connection  # (the supervisor forgets it when cancelled)
@@ -151,14 +149,8 @@ class CollectiveLink:
             ) from None
 
     async def _live_connection(self) -> lean.LeanConnection:
-        if not self._ready.is_set():
-            try:
-                async with asyncio.timeout(self._settings.publish_timeout_s):
-                    await self._ready.wait()
-            except TimeoutError:
-                raise UnavailableError(
-                    f"collective link {self._name} is down (reconnecting)"
-                ) from None
+        if not await set_within(self._ready, self._settings.publish_timeout_s):
+            raise UnavailableError(f"collective link {self._name} is down (reconnecting)")
         assert self._connection is not None
         return self._connection
 

@@ -51,7 +51,7 @@ from shardserve.errors import ErrorCode, UnavailableError
 from shardserve.lite.errors import LiteError, PeerFailedError, RendezvousError
 from shardserve.process.redact import redact_url
 from shardserve.process.settings import BrokerSettings
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 from shardserve.repo.repository import GroupConfig
 from shardserve.runtime.program import Env
 from shardserve.wire.protocol import (
@@ -178,7 +178,7 @@ class RunMesh:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RendezvousError(self._missing_message(everyone, timeout_s))
-            await wait_event(self._changed, remaining)
+            await set_within(self._changed, remaining)
 
     def _missing_message(self, everyone: set[int], timeout_s: float) -> str:
         missing = sorted(everyone - self._seen)
@@ -247,7 +247,7 @@ class RunMesh:
                     f"rank {self.rank}: no input for stage {self.stage.index} of {job} from "
                     f"stage {self.stage.index - 1} (leader rank {leader}) before the timeout"
                 )
-            await wait_event(self._changed, remaining)
+            await set_within(self._changed, remaining)
 
     def _checked(self, work: StageWork) -> Env:
         mismatch = f"digest mismatch for {work.job}"

@@ -65,13 +65,3 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-async def set_within(event: asyncio.Event, timeout_s: float) -> bool:
-    """Wait until ``event`` is set; False if ``timeout_s`` passed first."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-    except TimeoutError:
-        return False
-    return True

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from shardserve.process.waits import wait_event
+from shardserve.process.waits import set_within
 
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
@@ -122,7 +122,7 @@ class Supervised:
                 self._backoff.delay_after(self._clock() - started), self.spec.min_restart_delay
             )
             self.say(f"{describe_exit(code)}; restarting in {delay:g} s")
-            await wait_event(self._stopping, delay)
+            await set_within(self._stopping, delay)
 
     async def _run_once(self) -> int:
         try:
@@ -158,7 +158,7 @@ class Supervised:
         """SIGTERM the child's group, wait up to ``grace`` s, then SIGKILL it; no restart."""
         self._stopping.set()
         self._signal(signal.SIGTERM)
-        if await wait_event(self._done, grace):
+        if await set_within(self._done, grace):
             return
         self.say(f"still running {grace:g} s after SIGTERM; sending SIGKILL")
         self._signal(signal.SIGKILL)
@@ -170,7 +170,7 @@ class Supervised:
 
     async def wait_done(self, within: float) -> bool:
         """Wait up to ``within`` s for ``run`` to end; True if it did."""
-        return await wait_event(self._done, within)
+        return await set_within(self._done, within)
 
     def kill_now(self) -> None:
         """Last resort (second Ctrl-C, or the launcher failing): SIGKILL without waiting."""

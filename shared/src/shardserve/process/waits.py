@@ -25,10 +25,8 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
         return await awaitable
 
 
-async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
-    """Until ``event`` is set (True) or ``timeout_s`` passed (False)."""
-    if event.is_set():
-        return True
+async def set_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set; False if ``timeout_s`` passed first."""
     try:
         await within(event.wait(), timeout_s)
     except TimeoutError:
