@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.heavy]
 
 SERVABLE = "llama_tp2"
 PROMPTS = REFERENCE["prompts"]
-MAX_SIZE = "hello world " * 83333  # ~1 MB: within the prompt limit, beyond the context
+MAX_SIZE = "hello world " * 83333  # ~1 MB: within the wire's limit, far past the context
 ROUNDS = 3
 PAIRS = 3
 
@@ -60,10 +60,10 @@ def chat(content: str) -> dict[str, Any]:
 
 # (route, JSON body or raw text, the statuses that are a right answer)
 FLOOD: list[tuple[str, Any, set[int]]] = [
-    *[("/v1/completions", completion(prompt=MAX_SIZE), {400})] * 4,
-    *[("/v1/chat/completions", chat(MAX_SIZE), {400})] * 2,
-    ("/v2/models/llama_tp2/generate", {"text_input": MAX_SIZE}, {400}),
-    ("/v1/completions", completion(prompt="x" * 2_000_000), {400}),
+    *[("/v1/completions", completion(prompt=MAX_SIZE), {413})] * 4,
+    *[("/v1/chat/completions", chat(MAX_SIZE), {413})] * 2,
+    ("/v2/models/llama_tp2/generate", {"text_input": MAX_SIZE}, {413}),
+    ("/v1/completions", completion(prompt="x" * 2_000_000), {413}),
     ("/v1/completions", completion(temperature=1e-310, top_p=0.9), {200}),
     ("/v1/completions", completion(temperature=5e-324, top_k=5), {200}),
     ("/v1/completions", completion(top_k=2**64), {400}),

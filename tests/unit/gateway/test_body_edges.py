@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -17,12 +18,13 @@ class StalledRequest:
 
     def __init__(self, failure: Exception | None = None) -> None:
         self._failure = failure
+        self.content = self  # a chunked body (no length) is read piece by piece
 
-    async def read(self) -> bytes:
+    async def iter_any(self) -> AsyncIterator[bytes]:
         if self._failure is not None:
             raise self._failure
+        yield b"{"
         await asyncio.Event().wait()  # a client that stopped sending
-        return b""
 
 
 async def test_a_stalled_body_is_answered_408_at_the_body_timeout() -> None:

@@ -21,6 +21,7 @@ from aiohttp import web
 from shardserve.errors import BadInputError, InferenceError
 from shardserve.wire.protocol import GenerateChunk, GenerateRequest, Usage
 from shardserve_gateway.codecs.body import read_body
+from shardserve_gateway.generation.body_limit import generation_body_limit, too_large
 from shardserve_gateway.generation.requests import (
     Generated,
     collect,
@@ -31,7 +32,7 @@ from shardserve_gateway.generation.requests import (
 )
 from shardserve_gateway.generation.sse import cancel_on_disconnect, event, open_event_stream
 from shardserve_gateway.responses import json_response
-from shardserve_gateway.state import DISPATCHER_KEY, SETTINGS_KEY
+from shardserve_gateway.state import DISPATCHER_KEY
 
 _logger = logging.getLogger(__name__)
 
@@ -58,9 +59,11 @@ class Renderer(Protocol):
         ...
 
 
-async def json_body(request: web.Request) -> object:
-    """The request body parsed as JSON (within the gateway's body limit)."""
-    raw = await read_body(request, request.app[SETTINGS_KEY].max_body_bytes)
+async def json_body(request: web.Request, model: str | None = None) -> object:
+    """The request body parsed as JSON, within the generation body limit of the servables
+    named ``model`` (of every generation servable when None: see ``body_limit``)."""
+    limit = generation_body_limit(request.app, model)
+    raw = await read_body(request, limit, too_large=too_large)
     try:
         return json.loads(raw)
     except ValueError as exc:

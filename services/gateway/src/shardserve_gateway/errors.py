@@ -27,13 +27,16 @@ class UnauthorizedError(HttpError):
 
 
 class PayloadTooLargeError(HttpError):
-    """The body (after decompression) is larger than --max-body-mb."""
+    """The body (after decompression) is larger than its limit (--max-body-mb, or a
+    generation route's own)."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        why: str = "--max-body-mb; the limit applies after decompression",
+    ) -> None:
         super().__init__(
-            413,
-            f"request body is larger than the limit of {_mib(limit_bytes)} "
-            f"(--max-body-mb; the limit applies after decompression)",
+            413, f"request body is larger than the limit of {_mib(limit_bytes)} ({why})"
         )
 
 

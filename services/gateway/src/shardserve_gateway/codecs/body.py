@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -37,18 +38,23 @@ def check_content_encoding(request: web.Request) -> None:
 
 
 async def read_body(
-    request: web.Request, limit: int, body_timeout_s: float = BODY_TIMEOUT_S
+    request: web.Request,
+    limit: int,
+    body_timeout_s: float = BODY_TIMEOUT_S,
+    *,
+    too_large: Callable[[int], PayloadTooLargeError] = PayloadTooLargeError,
 ) -> bytes:
-    """The whole (decompressed) body, or PayloadTooLargeError naming the limit."""
+    """The whole (decompressed) body, or ``too_large(limit)`` (a 413 naming the limit)
+    as soon as it is known to be larger."""
     check_content_encoding(request)
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise PayloadTooLargeError(limit)
+        raise too_large(limit)
     try:
         async with asyncio.timeout(body_timeout_s):
-            raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLargeError(limit) from None
+            raw = await _read_within(request, limit, declared)
+    except (web.HTTPRequestEntityTooLarge, PayloadTooLargeError):
+        raise too_large(limit) from None
     except TimeoutError:
         raise BodyTimeoutError(body_timeout_s) from None
     except (ConnectionResetError, ConnectionError):
@@ -56,7 +62,24 @@ async def read_body(
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if not _still_compressed(raw, encoding):  # identity, or inflated by aiohttp already
         return raw
-    return await asyncio.to_thread(inflate, raw, encoding, limit)
+    try:
+        return await asyncio.to_thread(inflate, raw, encoding, limit)
+    except PayloadTooLargeError:
+        raise too_large(limit) from None
+
+
+async def _read_within(request: web.Request, limit: int, declared: int | None) -> bytes:
+    """The raw body; one that declares no length (chunked) is refused once more than
+    ``limit`` bytes have arrived, not read whole first (aiohttp bounds it only by
+    ``client_max_size``, the gateway's largest limit)."""
+    if declared is not None:
+        return await request.read()
+    body = bytearray()
+    async for piece in request.content.iter_any():
+        body += piece
+        if len(body) > limit:
+            raise PayloadTooLargeError(limit)
+    return bytes(body)
 
 
 def _still_compressed(raw: bytes, encoding: str) -> bool:

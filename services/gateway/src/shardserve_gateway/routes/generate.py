@@ -97,7 +97,7 @@ async def generate_stream(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, *, stream: bool) -> web.StreamResponse:
     model = request.match_info["model"]
     version = parse_version(request.match_info.get("version"))
-    body = generate_body(await json_body(request))
+    body = generate_body(await json_body(request, model))
     sampling = body.parameters.sampling()
     servable = generation_servable(request, model, version)
     generate = generate_request(servable, sampling, deadline_of(request), prompt=body.text_input)
