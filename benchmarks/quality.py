@@ -36,14 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "benchmarks" / "data" / "quality_sample.txt"
 CHECKPOINT_ENV = "SHARDSERVE_QUALITY_CHECKPOINT"
 DEFAULT_CHECKPOINT = Path.home() / ".cache" / "shardserve-quality" / "smollm2-135m"
-# (label, --quantize, --block-size, --accuracy-level); fp32 first: the others' reference.
-VARIANTS: tuple[tuple[str, str | None, int, int], ...] = (
-    ("fp32", None, 32, 4),
-    ("int8", "int8", 32, 4),
-    ("int8-exact", "int8", 32, 0),
-    ("int4", "int4", 32, 4),
-    ("int4-exact", "int4", 32, 0),
-    ("int4-mixed", "int4-mixed", 32, 4),
+# (label, --quantize, --block-size (None: the default by bits), --accuracy-level); fp32
+# first: the others' reference.
+VARIANTS: tuple[tuple[str, str | None, int | None, int], ...] = (
+    ("fp32", None, None, 4),
+    ("int8", "int8", None, 4),
+    ("int8-exact", "int8", None, 0),
+    ("int8-block32", "int8", 32, 4),
+    ("int4", "int4", None, 4),
+    ("int4-exact", "int4", None, 0),
+    ("int4-mixed", "int4-mixed", None, 4),
 )
 TARGETS = {"int8": 1.01, "int4": 1.10, "int4-mixed": 1.10}
 PEER_LABEL = "llama.cpp-q4_0"
@@ -91,7 +93,7 @@ def sample_ids(folder: Path) -> list[int]:
 
 
 def export(
-    folder: Path, repo: Path, label: str, precision: str | None, block: int, level: int
+    folder: Path, repo: Path, label: str, precision: str | None, block: int | None, level: int
 ) -> Path:
     from shardserve.tools.export.hf import export_hf
     from shardserve.tools.quantize import QuantizeSpec
@@ -99,6 +101,15 @@ def export(
     spec = None if precision is None else QuantizeSpec(precision, block, level)
     export_hf(folder, repo, name=label, quantize=spec)
     return repo / label / "1"
+
+
+def block_of(precision: str | None, block: int | None) -> int | None:
+    """The block size an export uses (None: fp32)."""
+    from shardserve.tools.quantize import DEFAULT_BLOCK_SIZES, PRECISIONS
+
+    if precision is None:
+        return None
+    return block or DEFAULT_BLOCK_SIZES[PRECISIONS[precision]]
 
 
 def export_peer(folder: Path, repo: Path, work: Path) -> Path:
@@ -159,7 +170,11 @@ def quality(run: Any) -> None:
         version = export(folder, repo, label, precision, block, level)
         measured = measure(run_prefill(repo, label, ids), ids, rank_bytes(version))
         base = base or measured
-        setting = {"checkpoint": folder.name, "tokens": len(ids), "block_size": block}
+        setting = {
+            "checkpoint": folder.name,
+            "tokens": len(ids),
+            "block_size": block_of(precision, block),
+        }
         report(run, label, measured, base, {**setting, "accuracy_level": level}, started)
     started = time.monotonic()
     version = export_peer(folder, repo, run.work)

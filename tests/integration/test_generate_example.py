@@ -101,7 +101,13 @@ def test_the_example_cancels_and_the_kv_cache_is_freed(mesh: Any) -> None:
     args = ("--max-tokens", "100", "--ignore-eos", "--cancel-after", "2")
     code, out, err = run_example(mesh.amqp_url, *args)
     assert code == 0, err
-    assert "[cancelled after 2 chunks: the generation was cancelled by its caller]" in out
+    # The cancel goes out after the second chunk; chunks already on their way arrive before
+    # the stream's cancelled end (on a loaded machine, a few), never the whole generation.
+    found = re.search(
+        r"\[cancelled after (\d+) chunks: the generation was cancelled by its caller\]", out
+    )
+    assert found is not None, out
+    assert 2 <= int(found.group(1)) < 100, out
     assert wait_for(lambda: kv_used(mesh) == 0, 15.0), "KV cache still in use after the cancel"
 
 

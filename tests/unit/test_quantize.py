@@ -180,6 +180,32 @@ def test_a_weight_also_read_by_another_node_is_kept() -> None:
     assert {t.name for t in quantized.graph.initializer} == {"w", "w.q8", "w.scales"}
 
 
+def block_sizes(model: onnx.ModelProto) -> list[int]:
+    return [a.i for node in model.graph.node for a in node.attribute if a.name == "block_size"]
+
+
+def test_without_a_block_size_8_bits_take_blocks_of_128_and_4_bits_blocks_of_32() -> None:
+    model = gemm_model(1, False)
+    assert block_sizes(quantize_model(model, QuantizeSpec("int8"))) == [128]
+    assert block_sizes(quantize_model(model, QuantizeSpec("int4"))) == [32]
+    assert block_sizes(quantize_model(model, QuantizeSpec("int8", 32))) == [32]
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    padded = quantize_model(model, QuantizeSpec("int8", accuracy_level=0))  # K 64 < 128
+    assert relative(run(padded, x), run(model, x)) < 2e-2
+
+
+def test_a_sources_own_blocks_are_kept_unless_another_size_is_asked() -> None:
+    model = gemm_model(1, False)  # Gemm with transB: the weight is [N, K] as stored
+    weight_nk = numpy_helper.to_array(model.graph.initializer[0])
+    source = quantize_blocks(weight_nk, 8, 32)  # a GGUF file's Q8_0 blocks, say
+    kept = quantize_model(model, QuantizeSpec("int8"), {"w": source})
+    assert block_sizes(kept) == [32]
+    codes = next(t for t in kept.graph.initializer if t.name == "w.q8")
+    assert np.array_equal(numpy_helper.to_array(codes), source.packed)
+    assert block_sizes(quantize_model(model, QuantizeSpec("int8", 64), {"w": source})) == [64]
+    assert block_sizes(quantize_model(model, QuantizeSpec("int4"), {"w": source})) == [32]
+
+
 # ---------------------------------------------------------------- exported checkpoints
 
 

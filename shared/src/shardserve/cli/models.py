@@ -72,8 +72,10 @@ def add_quantize_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size",
         type=positive_int,
-        default=32,
-        help="weights per quantization block along K (a power of two >= 16; default 32)",
+        default=None,
+        help="weights per quantization block along K (a power of two >= 16); default: 128 "
+        "at 8 bits, 32 at 4 bits (GGUF's Q4_0), and export gguf keeps a file's own blocks "
+        "of the bits asked",
     )
     parser.add_argument(
         "--accuracy-level",

@@ -5,7 +5,7 @@ segment (``graph``)."""
 from shardserve.tools.quantize.blocks import QuantizedBlocks, dequantize, quantize_blocks
 from shardserve.tools.quantize.graph import (
     AS_SOURCE,
-    DEFAULT_BLOCK_SIZE,
+    DEFAULT_BLOCK_SIZES,
     FP32,
     PRECISIONS,
     QuantizeSpec,
@@ -18,7 +18,7 @@ from shardserve.tools.quantize.nodes import DEFAULT_ACCURACY_LEVEL, NBitsMatMul,
 __all__ = [
     "AS_SOURCE",
     "DEFAULT_ACCURACY_LEVEL",
-    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_BLOCK_SIZES",
     "FP32",
     "PRECISIONS",
     "NBitsMatMul",
