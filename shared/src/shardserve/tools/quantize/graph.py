@@ -47,9 +47,10 @@ MIXED_8BIT_PREFIXES = ("mlp_out.", "lm_head")
 MIXED_8BIT_BLOCK = 32
 # Weights per block when --block-size is not given, by bits. 4 bits: 32, GGUF's Q4_0 (the
 # 4-bit error grows with the block). 8 bits: 128. onnxruntime's 8-bit MatMulNBits streams its
-# weights twice as fast in blocks of 128 as of 32 (one row, the 768x32000 head: 0.61 vs
-# 1.30 ms; 32 rows: 78-81 vs 54-56 GFLOP/s), and 8-bit blocks of 128 cost no measurable
-# quality (SmolLM2-135M perplexity ratio 1.0070 against 1.0081 at 32): docs/performance.md.
+# weights faster in blocks of 128 than of 32 (a 125 M model's one-sequence step 17-20 %
+# faster; the 768x32000 head at one row 0.61 vs 0.78 ms; no change at 32 rows), and 8-bit
+# blocks of 128 cost no measurable quality (SmolLM2-135M perplexity ratio 1.0070 against
+# 1.0081 at 32): docs/performance.md.
 DEFAULT_BLOCK_SIZES = {8: 128, 4: 32}
 # Each linear weight at the format of the blocks its source hands out (``kept``), fp32
 # where it hands out none: a GGUF file's own types (shardserve.tools.export.gguf.precision).
