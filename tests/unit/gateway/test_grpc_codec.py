@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 
@@ -19,6 +18,7 @@ from shardserve_gateway.grpcapi.calls import status_code
 from shardserve_gateway.grpcapi.infer_codec import decode_infer, encode_infer
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
 from shardserve_gateway.grpcapi.server import parse
+from shardserve_gateway.grpcapi.transport.wire import StatusCode
 
 
 def request_with(datatype: str, shape: list[int]) -> tuple[pb.ModelInferRequest, object]:
@@ -107,13 +107,13 @@ def test_malformed_bytes_are_bad_input() -> None:
 @pytest.mark.parametrize(
     ("error", "code"),
     [
-        (BadInputError("x"), grpc.StatusCode.INVALID_ARGUMENT),
-        (NotFoundError("x"), grpc.StatusCode.NOT_FOUND),
-        (UnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
-        (OverloadedError("x"), grpc.StatusCode.UNAVAILABLE),
-        (DeadlineError("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
-        (InternalError("x"), grpc.StatusCode.INTERNAL),
+        (BadInputError("x"), StatusCode.INVALID_ARGUMENT),
+        (NotFoundError("x"), StatusCode.NOT_FOUND),
+        (UnavailableError("x"), StatusCode.UNAVAILABLE),
+        (OverloadedError("x"), StatusCode.UNAVAILABLE),
+        (DeadlineError("x"), StatusCode.DEADLINE_EXCEEDED),
+        (InternalError("x"), StatusCode.INTERNAL),
     ],
 )
-def test_errors_map_to_grpc_status_codes(error: Exception, code: grpc.StatusCode) -> None:
-    assert status_code(error) == code  # type: ignore[arg-type]
+def test_errors_map_to_grpc_status_codes(error: Exception, code: StatusCode) -> None:
+    assert status_code(error) == code

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import sys
 from collections.abc import AsyncIterator
 
@@ -25,6 +24,7 @@ from shardserve_gateway.app import BROKER_STARTUP_KEY, create_app
 from shardserve_gateway.grpcapi.server import start_grpc
 from shardserve_gateway.settings import GatewaySettings, build_parser
 from shardserve_gateway.state import INFLIGHT_KEY, MESH_VIEW_KEY
+from shardserve_gateway.tls import server_tls
 
 _logger = logging.getLogger("shardserve_gateway")
 
@@ -60,7 +60,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
             runner,
             settings.host,
             settings.http_port,
-            ssl_context=_ssl_context(settings),
+            ssl_context=server_tls(settings),
             reuse_port=settings.reuse_port or None,
         )
         await site.start()
@@ -89,7 +89,7 @@ async def _grpc_served(app: web.Application, settings: GatewaySettings) -> Async
     try:
         yield
     finally:
-        await server.stop(grace=None)
+        await server.stop()
 
 
 async def _until_stopped(app: web.Application, stop: asyncio.Event) -> BaseException | None:
@@ -125,14 +125,6 @@ async def drain(app: web.Application, seconds: float) -> None:
     _logger.info("draining: %d request(s) in flight, waiting up to %.1f s", inflight.count, seconds)
     if not await inflight.wait_idle(seconds):
         _logger.warning("drain timed out with %d request(s) still in flight", inflight.count)
-
-
-def _ssl_context(settings: GatewaySettings) -> ssl.SSLContext | None:
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.tls_cert, settings.tls_key)
-    return context
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ status for every failure.
 Status codes: 400 -> INVALID_ARGUMENT, 404 -> NOT_FOUND, 503 (not ready, overloaded,
 draining, broker down) -> UNAVAILABLE with ``retry-after`` seconds in the trailing
 metadata when a retry may help, 504 -> DEADLINE_EXCEEDED, 401 -> UNAUTHENTICATED,
-everything else -> INTERNAL. Messages larger than ``--max-body-mb`` are refused by grpc
-itself with RESOURCE_EXHAUSTED.
+everything else -> INTERNAL. Messages larger than ``--max-body-mb`` are refused by the
+transport with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-import grpc
 from aiohttp import web
 
 from shardserve.errors import BadInputError, ErrorCode, InferenceError
 from shardserve.process.lifecycle import request_id_var
 from shardserve_gateway.auth import token_matches
+from shardserve_gateway.grpcapi.transport.context import AbortError, CallContext
+from shardserve_gateway.grpcapi.transport.wire import CallError, StatusCode
 from shardserve_gateway.metrics import Labels
 from shardserve_gateway.middleware import MAX_REQUEST_ID, valid_request_id
 from shardserve_gateway.state import INFLIGHT_KEY, METRICS_KEY, SETTINGS_KEY, TIMESERIES_KEY
@@ -36,21 +37,21 @@ REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after"
 CLIENT_CLOSED = 499
 
-STATUS_CODES: dict[ErrorCode, grpc.StatusCode] = {
-    ErrorCode.BAD_INPUT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.OVERLOADED: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.RANK_LOST: grpc.StatusCode.UNAVAILABLE,
-    ErrorCode.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+STATUS_CODES: dict[ErrorCode, StatusCode] = {
+    ErrorCode.BAD_INPUT: StatusCode.INVALID_ARGUMENT,
+    ErrorCode.NOT_FOUND: StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: StatusCode.UNAVAILABLE,
+    ErrorCode.OVERLOADED: StatusCode.UNAVAILABLE,
+    ErrorCode.RANK_LOST: StatusCode.UNAVAILABLE,
+    ErrorCode.DEADLINE: StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.CANCELLED: StatusCode.CANCELLED,
 }
 _RETRYABLE = frozenset({ErrorCode.UNAVAILABLE, ErrorCode.OVERLOADED, ErrorCode.RANK_LOST})
 
 
-def status_code(error: InferenceError) -> grpc.StatusCode:
+def status_code(error: InferenceError) -> StatusCode:
     """The gRPC status that answers an inference error."""
-    return STATUS_CODES.get(error.code, grpc.StatusCode.INTERNAL)
+    return STATUS_CODES.get(error.code, StatusCode.INTERNAL)
 
 
 class Unauthenticated(Exception):
@@ -75,9 +76,7 @@ class CallGuard:
         self._open_health = settings.open_health
 
     @contextlib.asynccontextmanager
-    async def scope(
-        self, context: grpc.aio.ServicerContext, *, health: bool = False
-    ) -> AsyncIterator[Call]:
+    async def scope(self, context: CallContext, *, health: bool = False) -> AsyncIterator[Call]:
         """Run a handler: request id, in-flight count, token check, metrics, and every
         failure aborted with its gRPC status (``health`` calls need no token when the
         gateway serves health openly)."""
@@ -94,10 +93,11 @@ class CallGuard:
             self._authenticate(metadata, health=health)
             yield call
         except asyncio.CancelledError:
-            status = CLIENT_CLOSED
+            remaining = context.time_remaining()
+            status = 504 if remaining is not None and remaining <= 0 else CLIENT_CLOSED
             raise
-        except grpc.aio.AbortError:
-            raise  # already aborted, its status set
+        except (AbortError, CallError):
+            raise  # already aborted (its status set), or the call itself is malformed
         except Exception as exc:
             code, message, status, trailing = _failure(exc, call)
             await context.abort(code, message, trailing_metadata=trailing)
@@ -127,14 +127,14 @@ class CallGuard:
             self._app[TIMESERIES_KEY].observe(elapsed_s, failed=status >= 400)
 
 
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
+def _metadata(context: CallContext) -> dict[str, str]:
     pairs: Sequence[tuple[str, str | bytes]] = context.invocation_metadata() or ()
     return {key: value for key, value in pairs if isinstance(value, str)}
 
 
 def _failure(
     exc: Exception, call: Call
-) -> tuple[grpc.StatusCode, str, int, tuple[tuple[str, str], ...]]:
+) -> tuple[StatusCode, str, int, tuple[tuple[str, str], ...]]:
     """The gRPC status, message, HTTP-equivalent status (for the metrics) and trailing
     metadata that answer ``exc``."""
     trailing = [(REQUEST_ID_KEY, call.request_id)]
@@ -145,7 +145,7 @@ def _failure(
         _logger.log(level, "gRPC call answered %s: %s", status_code(exc).name, exc.message)
         return status_code(exc), exc.message, exc.status, tuple(trailing)
     if isinstance(exc, Unauthenticated):
-        return grpc.StatusCode.UNAUTHENTICATED, str(exc), 401, tuple(trailing)
+        return StatusCode.UNAUTHENTICATED, str(exc), 401, tuple(trailing)
     _logger.error("internal error in a gRPC call", exc_info=exc)
     message = "internal error (see the gateway log)"
-    return grpc.StatusCode.INTERNAL, message, 500, tuple(trailing)
+    return StatusCode.INTERNAL, message, 500, tuple(trailing)

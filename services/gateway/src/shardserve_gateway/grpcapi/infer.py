@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 from aiohttp import web
 
 from shardserve_gateway.codecs.kserve import KServeRequest
@@ -14,11 +13,12 @@ from shardserve_gateway.dispatch import MIN_TIMEOUT_S
 from shardserve_gateway.grpcapi.calls import Call
 from shardserve_gateway.grpcapi.infer_codec import decode_infer, encode_infer
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
+from shardserve_gateway.grpcapi.transport.context import CallContext
 from shardserve_gateway.mesh_view import require_ready
 from shardserve_gateway.routes import kserve
 
 
-def deadline_timeout(context: grpc.aio.ServicerContext) -> str | None:
+def deadline_timeout(context: CallContext) -> str | None:
     """The call's deadline as an ``X-Request-Timeout`` value (None: the client set none);
     a deadline already passed leaves the shortest timeout, so it answers
     DEADLINE_EXCEEDED rather than a refusal."""
@@ -36,7 +36,7 @@ async def _decode(request: pb.ModelInferRequest) -> KServeRequest:
 async def infer(
     app: web.Application,
     request: pb.ModelInferRequest,
-    context: grpc.aio.ServicerContext,
+    context: CallContext,
     call: Call,
 ) -> pb.ModelInferResponse:
     """One ModelInfer: the REST route's steps, with the gRPC deadline as its timeout."""

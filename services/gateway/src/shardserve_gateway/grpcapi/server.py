@@ -1,78 +1,104 @@
-"""The gateway's gRPC server: grpc.aio on the gateway's own event loop, beside aiohttp.
+"""The gateway's gRPC server: HTTP/2 (h2) on the gateway's own event loop, beside aiohttp.
 
-The service's methods are registered from the .proto's descriptor with the bytes left
-undecoded: each is parsed here, so a malformed message is INVALID_ARGUMENT naming the
-problem (grpc's own deserializer would answer UNKNOWN and log a traceback), and a large
+Why not grpc.aio: it runs every call as several batches of operations, each a hop from
+the event loop to grpc's poller thread and back, so a call cost the gateway about three
+times a REST binary request (docs/performance.md, issue 38). Here the socket is read on
+the loop, as aiohttp reads it: many calls per read, their answers written together.
+
+The service's methods are routed from the .proto's descriptor with the bytes parsed here,
+so a malformed message is INVALID_ARGUMENT naming the problem, and a large
 ModelInferRequest is parsed off the event loop (as REST bodies are decoded). Methods the
-servicer lacks are not registered: grpc answers them UNIMPLEMENTED.
+servicer lacks answer UNIMPLEMENTED.
 
-Messages are limited to ``--max-body-mb`` as REST bodies are (grpc refuses a larger one
-with RESOURCE_EXHAUSTED before any handler runs); responses are not limited, as REST's
-are not. With ``--tls-cert``/``--tls-key`` the port speaks TLS with the same pair.
+Messages are limited to ``--max-body-mb`` as REST bodies are (RESOURCE_EXHAUSTED, as grpc
+answers); responses are not limited, as REST's are not. With ``--tls-cert``/``--tls-key``
+the port speaks TLS (ALPN h2) with the same pair.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
-import grpc
 from aiohttp import web
 from google.protobuf.message import DecodeError, Message
 
 from shardserve.errors import BadInputError
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
 from shardserve_gateway.grpcapi.service import InferenceService
+from shardserve_gateway.grpcapi.transport.connection import CallHandler, CallLimits, GrpcConnection
+from shardserve_gateway.grpcapi.transport.context import CallContext
+from shardserve_gateway.grpcapi.transport.stream import ServerStream
+from shardserve_gateway.grpcapi.transport.wire import StatusCode
 from shardserve_gateway.routes.kserve import THREAD_DECODE_BYTES
 from shardserve_gateway.settings import GatewaySettings
 from shardserve_gateway.state import SETTINGS_KEY
+from shardserve_gateway.tls import server_tls
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 
 
-async def start_grpc(app: web.Application) -> grpc.aio.Server:
+class GrpcServer:
+    """The listening socket and its connections (each owns its calls)."""
+
+    def __init__(self, routes: dict[str, CallHandler], limits: CallLimits) -> None:
+        self._routes = routes
+        self._limits = limits
+        self._connections: set[GrpcConnection] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self, settings: GatewaySettings) -> None:
+        """Listen on ``--grpc-port`` (OSError if the port is taken)."""
+        self._server = await asyncio.get_running_loop().create_server(
+            self._connection,
+            settings.host,
+            settings.grpc_port,
+            ssl=server_tls(settings, alpn=("h2",)),
+            reuse_port=settings.reuse_port or None,
+        )
+
+    async def stop(self) -> None:
+        """Stop listening, close every connection (GOAWAY) and wait for its calls, which
+        closing cancels (the gateway's drain has waited for them already)."""
+        if self._server is not None:
+            self._server.close()
+        connections = list(self._connections)
+        for connection in connections:
+            connection.close()
+        for connection in connections:
+            await connection.wait_calls()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _connection(self) -> GrpcConnection:
+        connection = GrpcConnection(self._routes.get, self._limits, self._connections.discard)
+        self._connections.add(connection)
+        return connection
+
+
+async def start_grpc(app: web.Application) -> GrpcServer:
     """Build, bind and start the server on ``--grpc-port`` (OSError if the port is taken)."""
     settings = app[SETTINGS_KEY]
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_send_message_length", -1),
-            ("grpc.so_reuseport", 1 if settings.reuse_port else 0),
-        ]
-    )
-    server.add_generic_rpc_handlers((service_handlers(InferenceService(app)),))
-    address = f"{settings.host}:{settings.grpc_port}"
-    credentials = _credentials(settings)
-    if credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, credentials)
-    if bound == 0:
-        raise OSError(f"cannot listen for gRPC on {address}")
-    await server.start()
+    server = GrpcServer(service_routes(InferenceService(app)), CallLimits(settings.max_body_bytes))
+    await server.start(settings)
     return server
 
 
-def service_handlers(service: object) -> grpc.GenericRpcHandler:
-    """``inference.GRPCInferenceService``'s methods that ``service`` has."""
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
+def service_routes(service: object) -> dict[str, CallHandler]:
+    """``inference.GRPCInferenceService``'s methods that ``service`` has, by path."""
+    routes: dict[str, CallHandler] = {}
     for method in SERVICE.methods:
         handler = getattr(service, method.name, None)
         if handler is None:
             continue
         request_type = getattr(pb, method.input_type.name)
-        serialize = getattr(pb, method.output_type.name).SerializeToString
+        path = f"/{SERVICE.full_name}/{method.name}"
         if method.client_streaming:
-            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                _parse_each(handler, request_type), response_serializer=serialize
-            )
+            routes[path] = _streaming(handler, request_type)
         else:
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parse_one(handler, request_type), response_serializer=serialize
-            )
-    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+            routes[path] = _unary(handler, request_type)
+    return routes
 
 
 def parse(request_type: type[Message], raw: bytes) -> Any:
@@ -85,40 +111,35 @@ def parse(request_type: type[Message], raw: bytes) -> Any:
         ) from None
 
 
-def _parse_one(
-    handler: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], request_type: type[Message]
-) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Any]]:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+def _unary(
+    handler: Callable[[Any, CallContext], Awaitable[Message]], request_type: type[Message]
+) -> CallHandler:
+    async def handle(stream: ServerStream, context: CallContext) -> None:
+        raw = await stream.single_message()
         try:
             if len(raw) > THREAD_DECODE_BYTES:
                 request = await asyncio.to_thread(parse, request_type, raw)
             else:
                 request = parse(request_type, raw)
         except BadInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-        return await handler(request, context)
+            await context.abort(StatusCode.INVALID_ARGUMENT, exc.message)
+        response = await handler(request, context)
+        await stream.send_message(response.SerializeToString())
 
     return handle
 
 
-def _parse_each(
-    handler: Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], Awaitable[None]],
+def _streaming(
+    handler: Callable[[AsyncIterator[Any], CallContext], Awaitable[None]],
     request_type: type[Message],
-) -> Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[None]]:
-    async def handle(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+) -> CallHandler:
+    async def handle(stream: ServerStream, context: CallContext) -> None:
         async def requests() -> AsyncIterator[Any]:
             # A malformed message ends the stream with INVALID_ARGUMENT (raised in the
             # handler's scope, which answers it).
-            async for raw in raws:
+            async for raw in stream.messages():
                 yield parse(request_type, raw)
 
         await handler(requests(), context)
 
     return handle
-
-
-def _credentials(settings: GatewaySettings) -> grpc.ServerCredentials | None:
-    if settings.tls_cert is None or settings.tls_key is None:
-        return None
-    pair = (Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())
-    return grpc.ssl_server_credentials([pair])

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TypeAlias
 
-import grpc
 from aiohttp import web
 
 import shardserve
@@ -25,9 +24,10 @@ from shardserve_gateway.grpcapi.infer import infer
 from shardserve_gateway.grpcapi.infer_codec import parameter_values
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
 from shardserve_gateway.grpcapi.streaming import StreamInfer
+from shardserve_gateway.grpcapi.transport.context import CallContext
 from shardserve_gateway.routes import kserve, repository
 
-Context: TypeAlias = grpc.aio.ServicerContext
+Context: TypeAlias = CallContext
 
 
 class InferenceService:

@@ -27,7 +27,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeAlias
 
-import grpc
 import numpy as np
 from aiohttp import web
 
@@ -47,6 +46,8 @@ from shardserve_gateway.grpcapi.calls import Call, CallGuard
 from shardserve_gateway.grpcapi.infer import deadline_timeout, infer
 from shardserve_gateway.grpcapi.infer_codec import decode_infer, parameter_values
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
+from shardserve_gateway.grpcapi.transport.context import CallContext
+from shardserve_gateway.grpcapi.transport.wire import CallError
 from shardserve_gateway.mesh_view import split_model_name
 from shardserve_gateway.routes import kserve
 from shardserve_gateway.routes.generate import GenerateParameters
@@ -68,7 +69,7 @@ IGNORED = frozenset(
 _logger = logging.getLogger(__name__)
 INTERNAL_MESSAGE = "internal error (see the gateway log)"
 
-Context: TypeAlias = grpc.aio.ServicerContext
+Context: TypeAlias = CallContext
 Send: TypeAlias = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
 
 
@@ -93,16 +94,14 @@ class StreamInfer:
                     return
                 await context.write(response)
 
-        refused: InferenceError | None = None
+        refused: InferenceError | CallError | None = None
         async with asyncio.TaskGroup() as group:
             try:
                 async for request in requests:
                     group.create_task(self._answer(request, context, call, send))
-            except InferenceError as exc:
-                # A malformed message ends the stream, but only once the requests before
-                # it are answered: aborting the call while one of them is writing its
-                # answer would leave it with no status at all (grpc refuses the second
-                # operation), and the client waiting to its deadline.
+            except (InferenceError, CallError) as exc:
+                # A malformed (or oversized) message ends the stream, but only once the
+                # requests before it are answered (each gets its own response first).
                 refused = exc
         if refused is not None:
             raise refused

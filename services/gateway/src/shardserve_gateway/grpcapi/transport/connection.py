@@ -1,0 +1,298 @@
+"""One client's HTTP/2 connection: h2's state machine fed from the socket on the event
+loop, one task per call (owned here, cancelled when the client resets the stream, the
+deadline passes or the connection goes), and the writes of every call in a loop turn
+sent together.
+
+Requests that cannot be a call of ours are answered from their headers, with no task:
+not POST (HTTP 405), not ``application/grpc`` (HTTP 415, as the gRPC spec asks), an
+unknown method (UNIMPLEMENTED), a malformed ``grpc-timeout`` or an unsupported
+``grpc-encoding``. A peer that breaks HTTP/2 gets GOAWAY and the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import cast
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+import hyperframe.frame
+
+from shardserve_gateway.grpcapi.transport.context import AbortError, CallContext
+from shardserve_gateway.grpcapi.transport.stream import RESPONSE_HEADERS, ServerStream
+from shardserve_gateway.grpcapi.transport.wire import (
+    CallError,
+    MessageReader,
+    StatusCode,
+    metadata_of,
+    parse_timeout,
+    status_trailers,
+)
+
+_logger = logging.getLogger(__name__)
+
+
+def _frame_repr(frame: hyperframe.frame.Frame) -> str:
+    return f"{type(frame).__name__}(stream_id={frame.stream_id}, flags={sorted(frame.flags)})"
+
+
+# h2 formats every frame it receives for a trace log its default logger drops, and a
+# frame's repr serializes and hex-encodes its whole body: a fifth of the transport's CPU
+# per call (measured on an 8 KiB ModelInfer). A repr without the body costs nothing.
+hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
+
+CallHandler = Callable[[ServerStream, CallContext], Awaitable[None]]
+Router = Callable[[str], CallHandler | None]
+INTERNAL_MESSAGE = "internal error (see the gateway log)"
+# Our side's HTTP/2 settings: windows and frames large enough that a 16 MiB tensor takes
+# a handful of events, streams enough for a client's whole pipeline.
+WINDOW_BYTES = 8 * 1024 * 1024
+FRAME_BYTES = 1024 * 1024
+MAX_STREAMS = 1024
+HEADER_LIST_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What every call on the port may send."""
+
+    message_bytes: int
+
+
+class GrpcConnection(asyncio.Protocol):
+    """Serves the calls of one connection through ``route``."""
+
+    def __init__(
+        self, route: Router, limits: CallLimits, on_lost: Callable[[GrpcConnection], None]
+    ) -> None:
+        # h2's header validation refuses what grpc's own server takes (a metadata value
+        # with surrounding spaces) by closing the whole connection; the headers a call
+        # needs are checked here instead, and a bad one ends only its call.
+        # Outbound headers are ours, well-formed by construction: not checked again.
+        config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self.h2 = h2.connection.H2Connection(config)
+        self._route = route
+        self._limits = limits
+        self._on_lost = on_lost
+        self._transport: asyncio.Transport | None = None
+        self._streams: dict[int, ServerStream] = {}
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._flush_pending = False
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.h2.initiate_connection()
+        # As changes (not initial values): h2 applies them to its own checks when the
+        # client acknowledges them.
+        self.h2.update_settings(
+            {
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW_BYTES,
+                h2.settings.SettingCodes.MAX_FRAME_SIZE: FRAME_BYTES,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: HEADER_LIST_BYTES,
+            }
+        )
+        # Accepted at once: h2 sizes its frame buffer once per read, so a client's
+        # acknowledgement and its first large frame in one read would break the connection.
+        self.h2.max_inbound_frame_size = FRAME_BYTES
+        self.h2.increment_flow_control_window(WINDOW_BYTES)
+        self._flush()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            events = self.h2.receive_data(data)
+        except h2.exceptions.ProtocolError as exc:
+            _logger.info("closing a gRPC connection that broke HTTP/2: %s", exc)
+            self._flush()
+            self.close()
+            return
+        for event in events:
+            self._handle(event)
+        self._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._writable.set()
+        for stream in self._streams.values():
+            stream.closed(by_peer=True)
+        for task in self._tasks.values():
+            task.cancel()
+        self._on_lost(self)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # -- what streams use (stream.Link) ---------------------------------------------
+
+    def flush_soon(self) -> None:
+        """Write what h2 holds once this loop turn's calls have added theirs."""
+        if not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    async def writable(self) -> None:
+        await self._writable.wait()
+
+    # -- the server's side -----------------------------------------------------------
+
+    def close(self) -> None:
+        """GOAWAY, then close (the calls still open are cancelled by connection_lost)."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        try:
+            self.h2.close_connection()
+        except h2.exceptions.ProtocolError:
+            pass
+        self._flush()
+        self._transport.close()
+
+    async def wait_calls(self) -> None:
+        """Until every call task has ended."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()))
+
+    # -- events ----------------------------------------------------------------------
+
+    def _handle(self, event: h2.events.Event) -> None:
+        if isinstance(event, h2.events.DataReceived):
+            stream = self._streams.get(event.stream_id)
+            if stream is None:  # already answered: hand the window back, drop the data
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            else:
+                stream.received(event.data, event.flow_controlled_length)
+        elif isinstance(event, h2.events.RequestReceived):
+            self._start_call(event.stream_id, event.headers)
+        elif isinstance(event, h2.events.StreamEnded):
+            if (stream := self._streams.get(event.stream_id)) is not None:
+                stream.remote_end()
+        elif isinstance(event, h2.events.WindowUpdated):
+            self._window_opened(event.stream_id)
+        elif isinstance(event, h2.events.RemoteSettingsChanged):
+            self._window_opened(0)  # the initial window may have grown
+        elif isinstance(event, h2.events.StreamReset):
+            self._reset(event.stream_id)
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.close()
+
+    def _window_opened(self, stream_id: int) -> None:
+        if stream_id:
+            if (stream := self._streams.get(stream_id)) is not None:
+                stream.window_opened()
+            return
+        for stream in self._streams.values():
+            stream.window_opened()
+
+    def _reset(self, stream_id: int) -> None:
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            stream.closed(by_peer=True)
+            self._tasks[stream_id].cancel()
+
+    def _start_call(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in raw_headers]
+        fields = dict(headers)
+        refusal = _refusal(fields)
+        if refusal is not None:
+            self._answer(stream_id, refusal)
+            return
+        handler = self._route(fields.get(":path", ""))
+        try:
+            if handler is None:
+                raise CallError(
+                    StatusCode.UNIMPLEMENTED, f"Method not found: {fields.get(':path')}"
+                )
+            timeout = fields.get("grpc-timeout")
+            deadline = None if timeout is None else time.monotonic() + parse_timeout(timeout)
+            reader = MessageReader(self._limits.message_bytes, fields.get("grpc-encoding"))
+            metadata = metadata_of(headers)
+        except CallError as exc:
+            self._answer(stream_id, RESPONSE_HEADERS + status_trailers(exc.code, exc.message, ()))
+            return
+        assert handler is not None
+        stream = ServerStream(self, stream_id, reader)
+        self._streams[stream_id] = stream
+        context = CallContext(stream, metadata, deadline)
+        task = asyncio.get_running_loop().create_task(self._serve(stream, context, handler))
+        self._tasks[stream_id] = task
+        task.add_done_callback(lambda _: self._forget(stream_id))
+        if deadline is not None:
+            self._arm_deadline(stream, task, deadline)
+
+    def _answer(self, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        """The whole answer to a call refused from its headers (unless already reset)."""
+        try:
+            self.h2.send_headers(stream_id, headers, end_stream=True)
+        except h2.exceptions.StreamClosedError:
+            pass
+
+    def _arm_deadline(
+        self, stream: ServerStream, task: asyncio.Task[None], deadline: float
+    ) -> None:
+        def expire() -> None:
+            if not task.done():
+                stream.deadline_passed = True
+                task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(deadline - time.monotonic(), expire)
+        task.add_done_callback(lambda _: handle.cancel())
+
+    def _forget(self, stream_id: int) -> None:
+        self._streams.pop(stream_id, None)
+        self._tasks.pop(stream_id, None)
+
+    async def _serve(
+        self, stream: ServerStream, context: CallContext, handler: CallHandler
+    ) -> None:
+        """Run the call and end it with exactly one status."""
+        try:
+            await handler(stream, context)
+        except AbortError:
+            pass
+        except CallError as exc:
+            context.code, context.details = exc.code, exc.message
+        except asyncio.CancelledError:
+            if not stream.deadline_passed:
+                return  # reset by the client, connection lost or server stopping: no one to tell
+            context.code, context.details = StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        except Exception:
+            _logger.exception("internal error in a gRPC call")
+            context.code, context.details = StatusCode.INTERNAL, INTERNAL_MESSAGE
+        stream.finish(context.code, context.details, context.trailing_metadata)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        data = self.h2.data_to_send()
+        if data and self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+
+def _refusal(fields: dict[str, str]) -> list[tuple[str, str]] | None:
+    """The whole answer to a request that is not a gRPC call, or None."""
+    if fields.get(":method") != "POST":
+        return [(":status", "405"), ("grpc-status", str(int(StatusCode.UNIMPLEMENTED)))]
+    content_type = fields.get("content-type", "")
+    if not (
+        content_type == "application/grpc"
+        or content_type.startswith(("application/grpc+", "application/grpc;"))
+    ):
+        return [(":status", "415"), ("grpc-status", str(int(StatusCode.UNKNOWN)))]
+    return None
