@@ -10,6 +10,7 @@ binary and JSON inference.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import grpc
 import numpy as np
 import pytest
 import rabbitctl
@@ -43,6 +45,7 @@ from shardserve.wire.protocol import (
     TensorSpec,
 )
 from shardserve.wire.tensors import Tensor
+from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
 
 pytestmark = pytest.mark.integration
 
@@ -74,15 +77,12 @@ class GatewayProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-40:])
 
 
-@pytest.fixture(scope="module")
-def gateway_process(
-    isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayProcess]:
+def start_gateway(amqp_url: str, log: Path, *extra: str) -> GatewayProcess:
+    """A gateway process on a free HTTP port (``extra``: more of its arguments), once live."""
     port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     env = {
         **os.environ,
-        AMQP_URL_ENV: isolated_amqp_url,
+        AMQP_URL_ENV: amqp_url,
         "SHARDSERVE_AMQP_RECONNECT_INTERVAL": str(RECONNECT_INTERVAL_S),
         "PYTHONPATH": os.pathsep.join(
             [str(REPO_ROOT / "services/gateway/src"), os.environ.get("PYTHONPATH", "")]
@@ -91,18 +91,32 @@ def gateway_process(
     args = [sys.executable, "-m", "shardserve_gateway", "--http-port", str(port)]
     args += ["--default-timeout", "10", "--drain-seconds", "5", "--gateway-id", GATEWAY_ID]
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*args, *extra], env=env, stdout=out, stderr=subprocess.STDOUT)
     gw = GatewayProcess(proc, port, log)
     _wait_live(gw)
-    yield gw
-    proc.send_signal(signal.SIGTERM)
+    return gw
+
+
+def stop_gateway(gw: GatewayProcess) -> None:
+    """SIGTERM; it must exit 0 within 30 s."""
+    gw.proc.send_signal(signal.SIGTERM)
     try:
-        code = proc.wait(30)
+        code = gw.proc.wait(30)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        gw.proc.kill()
+        gw.proc.wait(10)
         raise AssertionError(f"gateway did not stop on SIGTERM:\n{gw.log_tail()}") from None
     assert code == 0, gw.log_tail()
+
+
+@pytest.fixture(scope="module")
+def gateway_process(
+    isolated_amqp_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    gw = start_gateway(isolated_amqp_url, log, "--grpc-port", "0")
+    yield gw
+    stop_gateway(gw)
 
 
 def _wait_live(gw: GatewayProcess, timeout: float = 60.0) -> None:
@@ -182,11 +196,10 @@ class FakeScheduler:
             await asyncio.sleep(0.5)
 
 
-@pytest.fixture
-async def scheduler(
-    isolated_amqp_url: str, gateway_process: GatewayProcess
-) -> AsyncIterator[FakeScheduler]:
-    broker = Broker(BrokerSettings(urls=(isolated_amqp_url,)), name="fake-scheduler")
+@contextlib.asynccontextmanager
+async def fake_scheduler(amqp_url: str, gw: GatewayProcess) -> AsyncIterator[FakeScheduler]:
+    """A FakeScheduler of fresh servable names, once ``gw`` knows them."""
+    broker = Broker(BrokerSettings(urls=(amqp_url,)), name="fake-scheduler")
     await broker.connect()
     tag = uuid.uuid4().hex[:8]
     fake = FakeScheduler(broker, f"gwtest-{tag}", f"gwtest-{tag}-silent")
@@ -199,13 +212,21 @@ async def scheduler(
     await broker.consume(queue.name, fake.on_request, prefetch=16)
     status_task = asyncio.create_task(fake.broadcast_status())
     try:
-        await _wait_ready(gateway_process, fake.servable)
+        await _wait_ready(gw, fake.servable)
         yield fake
     finally:
         status_task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await status_task
         await broker.close()
+
+
+@pytest.fixture
+async def scheduler(
+    isolated_amqp_url: str, gateway_process: GatewayProcess
+) -> AsyncIterator[FakeScheduler]:
+    async with fake_scheduler(isolated_amqp_url, gateway_process) as fake:
+        yield fake
 
 
 async def _wait_ready(gw: GatewayProcess, servable: str, within_s: float = 30.0) -> None:
@@ -385,3 +406,69 @@ async def _wait_status_sent_after(
                 if (await resp.json()).get("time", 0.0) > moment:
                     return
             await asyncio.sleep(0.1)
+
+
+async def test_sigterm_drains_grpc_calls_then_ends_the_rest_unavailable(
+    isolated_amqp_url: str, tmp_path: Path
+) -> None:
+    """On SIGTERM the gRPC port stops taking work (UNAVAILABLE with retry-after), gives the
+    calls in flight the drain, then ends them UNAVAILABLE (not a reset) and the gateway
+    exits 0."""
+    grpc_port = free_port()
+    gw = start_gateway(
+        isolated_amqp_url,
+        tmp_path / "gateway.log",
+        "--grpc-port",
+        str(grpc_port),
+        "--drain-seconds",
+        "2",
+        "--gateway-id",  # the last one counts: the module's gateway holds the first
+        f"{GATEWAY_ID}-drain",
+    )
+    try:
+        async with (
+            fake_scheduler(isolated_amqp_url, gw) as fake,
+            grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+        ):
+            infer = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=pb.ModelInferRequest.SerializeToString,
+                response_deserializer=pb.ModelInferResponse.FromString,
+            )
+            pending = asyncio.ensure_future(infer(_matmul_request(fake.silent), timeout=60))
+            await asyncio.wait_for(fake.silent_received.wait(), 30)
+            stopped_at = time.monotonic()
+            gw.proc.send_signal(signal.SIGTERM)
+            refused = await _first_refusal(infer, _matmul_request(fake.servable))
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+            assert ("retry-after", "1") in tuple(refused.trailing_metadata() or ())
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await pending
+            waited = time.monotonic() - stopped_at
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value
+        assert "shutting down" in (ended.value.details() or "")
+        assert waited >= 1.5, f"the call in flight was ended after {waited:.2f} s, not drained"
+        assert gw.proc.wait(30) == 0, gw.log_tail()
+    finally:
+        if gw.proc.poll() is None:
+            stop_gateway(gw)
+
+
+def _matmul_request(servable: str) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=servable)
+    request.inputs.add(name="x", datatype="FP32", shape=[128, 96])
+    request.raw_input_contents.append(np.ones((128, 96), np.float32).tobytes())
+    return request
+
+
+async def _first_refusal(
+    infer: grpc.aio.UnaryUnaryMultiCallable, request: pb.ModelInferRequest
+) -> grpc.aio.AioRpcError:
+    """Calls until the draining gateway refuses one (each answered one is right)."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                response = await infer(request, timeout=10)
+            except grpc.aio.AioRpcError as refused:
+                return refused
+            assert response.outputs[0].name == "y"

@@ -233,7 +233,7 @@ async def test_requests_that_are_not_grpc_get_http_statuses(served: tuple) -> No
     assert answer[b"grpc-status"] == str(int(StatusCode.INVALID_ARGUMENT)).encode()
 
 
-async def test_stopping_the_server_cancels_open_calls(served: tuple) -> None:
+async def test_stopping_the_server_ends_open_calls_unavailable(served: tuple) -> None:
     handlers, server, address = served
     async with channel(address) as ch:
         call = ch.unary_unary("/t.T/Hang")(b"", timeout=60)
@@ -243,6 +243,8 @@ async def test_stopping_the_server_cancels_open_calls(served: tuple) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await call
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in (raised.value.details() or "")
+        assert ("retry-after", "1") in tuple(raised.value.trailing_metadata() or ())
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from shardserve_gateway.state import SETTINGS_KEY
 from shardserve_gateway.tls import server_tls
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SHUTTING_DOWN = (StatusCode.UNAVAILABLE, "the gateway is shutting down; retry")
 
 
 class GrpcServer:
@@ -59,13 +60,14 @@ class GrpcServer:
         )
 
     async def stop(self) -> None:
-        """Stop listening, close every connection (GOAWAY) and wait for its calls, which
-        closing cancels (the gateway's drain has waited for them already)."""
+        """Stop listening, end the calls still open with UNAVAILABLE (the gateway's drain
+        has waited for them already), close every connection (GOAWAY) and wait for the
+        calls' tasks, which closing cancels."""
         if self._server is not None:
             self._server.close()
         connections = list(self._connections)
         for connection in connections:
-            connection.close()
+            connection.close(SHUTTING_DOWN)
         for connection in connections:
             await connection.wait_calls()
         if self._server is not None:

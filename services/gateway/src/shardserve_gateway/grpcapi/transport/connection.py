@@ -51,6 +51,7 @@ hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 CallHandler = Callable[[ServerStream, CallContext], Awaitable[None]]
 Router = Callable[[str], CallHandler | None]
 INTERNAL_MESSAGE = "internal error (see the gateway log)"
+RETRY_LATER = (("retry-after", "1"),)  # as CallGuard sends with UNAVAILABLE
 # Our side's HTTP/2 settings: windows and frames large enough that a 16 MiB tensor takes
 # a handful of events, streams enough for a client's whole pipeline.
 WINDOW_BYTES = 8 * 1024 * 1024
@@ -154,10 +155,14 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- the server's side -----------------------------------------------------------
 
-    def close(self) -> None:
-        """GOAWAY, then close (the calls still open are cancelled by connection_lost)."""
+    def close(self, status: tuple[StatusCode, str] | None = None) -> None:
+        """GOAWAY, then close; the calls still open are cancelled (by connection_lost), and
+        with ``status`` each is first ended with it, so its client learns why."""
         if self._transport is None or self._transport.is_closing():
             return
+        if status is not None:
+            for stream in self._streams.values():
+                stream.finish(*status, RETRY_LATER)
         try:
             self.h2.close_connection()
         except h2.exceptions.ProtocolError:
