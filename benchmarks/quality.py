@@ -105,11 +105,9 @@ def export(
 
 def block_of(precision: str | None, block: int | None) -> int | None:
     """The block size an export uses (None: fp32)."""
-    from shardserve.tools.quantize import DEFAULT_BLOCK_SIZES, PRECISIONS
+    from shardserve.tools.quantize import PRECISIONS, block_size_for
 
-    if precision is None:
-        return None
-    return block or DEFAULT_BLOCK_SIZES[PRECISIONS[precision]]
+    return None if precision is None else block_size_for(PRECISIONS[precision], block)
 
 
 def export_peer(folder: Path, repo: Path, work: Path) -> Path:

@@ -8,6 +8,9 @@ encoding, and a client that went away mid-body (logged, never answered).
 
 from __future__ import annotations
 
+# What a client is told of a failure the gateway did not foresee (the details are logged).
+INTERNAL_MESSAGE = "internal error (see the gateway log)"
+
 
 class HttpError(Exception):
     """An HTTP error answered as ``{"error": message}`` with extra headers."""

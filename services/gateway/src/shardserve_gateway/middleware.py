@@ -14,7 +14,7 @@ from aiohttp.typedefs import Handler
 from shardserve.errors import ErrorCode, InferenceError
 from shardserve.process.lifecycle import request_id_var
 from shardserve_gateway.codecs.openai_responses import error as openai_error
-from shardserve_gateway.errors import ClientGoneError, HttpError
+from shardserve_gateway.errors import INTERNAL_MESSAGE, ClientGoneError, HttpError
 from shardserve_gateway.responses import error_response, json_response
 from shardserve_gateway.state import INFER_LABELS_KEY, INFLIGHT_KEY, METRICS_KEY, TIMESERIES_KEY
 
@@ -96,7 +96,7 @@ async def translate_errors(request: web.Request, handler: Handler) -> web.Stream
         return _error(request, exc.status, message, code, headers=_allow_header(exc))
     except Exception:
         _logger.exception("internal error on %s %s", request.method, request.path)
-        return _error(request, 500, "internal error (see the gateway log)", ErrorCode.INTERNAL)
+        return _error(request, 500, INTERNAL_MESSAGE, ErrorCode.INTERNAL)
 
 
 def _error(

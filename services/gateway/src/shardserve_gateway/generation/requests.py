@@ -34,6 +34,7 @@ from shardserve.wire.protocol import (
     Usage,
 )
 from shardserve_gateway.dispatch import choose_timeout
+from shardserve_gateway.errors import INTERNAL_MESSAGE
 from shardserve_gateway.generation.metrics import StreamTiming
 from shardserve_gateway.mesh_view import require_ready
 from shardserve_gateway.state import (
@@ -195,4 +196,4 @@ def stream_error(exc: BaseException) -> InferenceError:
     """What a stream that already answered 200 reports in its last event."""
     if isinstance(exc, InferenceError):
         return exc
-    return InternalError("internal error (see the gateway log)")
+    return InternalError(INTERNAL_MESSAGE)

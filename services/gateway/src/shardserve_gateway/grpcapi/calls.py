@@ -25,6 +25,7 @@ from aiohttp import web
 from shardserve.errors import BadInputError, ErrorCode, InferenceError
 from shardserve.process.lifecycle import request_id_var
 from shardserve_gateway.auth import token_matches
+from shardserve_gateway.errors import INTERNAL_MESSAGE
 from shardserve_gateway.grpcapi.transport.context import AbortError, CallContext
 from shardserve_gateway.grpcapi.transport.wire import CallError, StatusCode
 from shardserve_gateway.metrics import Labels
@@ -35,6 +36,8 @@ _logger = logging.getLogger(__name__)
 
 REQUEST_ID_KEY = "x-request-id"
 RETRY_AFTER_KEY = "retry-after"
+# What tells a client of an UNAVAILABLE call that retrying may help (in a second).
+RETRY_LATER = ((RETRY_AFTER_KEY, "1"),)
 CLIENT_CLOSED = 499
 
 STATUS_CODES: dict[ErrorCode, StatusCode] = {
@@ -140,12 +143,11 @@ def _failure(
     trailing = [(REQUEST_ID_KEY, call.request_id)]
     if isinstance(exc, InferenceError):
         if exc.code in _RETRYABLE:
-            trailing.append((RETRY_AFTER_KEY, "1"))
+            trailing.extend(RETRY_LATER)
         level = logging.WARNING if exc.status >= 500 else logging.INFO
         _logger.log(level, "gRPC call answered %s: %s", status_code(exc).name, exc.message)
         return status_code(exc), exc.message, exc.status, tuple(trailing)
     if isinstance(exc, Unauthenticated):
         return StatusCode.UNAUTHENTICATED, str(exc), 401, tuple(trailing)
     _logger.error("internal error in a gRPC call", exc_info=exc)
-    message = "internal error (see the gateway log)"
-    return StatusCode.INTERNAL, message, 500, tuple(trailing)
+    return StatusCode.INTERNAL, INTERNAL_MESSAGE, 500, tuple(trailing)

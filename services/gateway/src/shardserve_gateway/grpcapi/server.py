@@ -25,6 +25,7 @@ from aiohttp import web
 from google.protobuf.message import DecodeError, Message
 
 from shardserve.errors import BadInputError
+from shardserve_gateway.grpcapi.calls import RETRY_LATER
 from shardserve_gateway.grpcapi.protocol import grpc_service_pb2 as pb
 from shardserve_gateway.grpcapi.service import InferenceService
 from shardserve_gateway.grpcapi.transport.connection import CallHandler, CallLimits, GrpcConnection
@@ -37,7 +38,7 @@ from shardserve_gateway.state import SETTINGS_KEY
 from shardserve_gateway.tls import server_tls
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-SHUTTING_DOWN = (StatusCode.UNAVAILABLE, "the gateway is shutting down; retry")
+SHUTTING_DOWN = (StatusCode.UNAVAILABLE, "the gateway is shutting down; retry", RETRY_LATER)
 
 
 class GrpcServer:

@@ -35,6 +35,7 @@ from shardserve.wire.protocol import GenerateChunk, ServableStatus
 from shardserve.wire.tensors import BYTES_DTYPE, Tensor, pack_bytes_elements
 from shardserve_gateway.codecs.kserve import parse_json_object
 from shardserve_gateway.codecs.openai_requests import parse
+from shardserve_gateway.errors import INTERNAL_MESSAGE
 from shardserve_gateway.generation.metrics import StreamTiming
 from shardserve_gateway.generation.requests import (
     deadline_after,
@@ -67,7 +68,6 @@ IGNORED = frozenset(
 )
 
 _logger = logging.getLogger(__name__)
-INTERNAL_MESSAGE = "internal error (see the gateway log)"
 
 Context: TypeAlias = CallContext
 Send: TypeAlias = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]

@@ -59,6 +59,11 @@ AS_SOURCE = "source"
 FP32 = "fp32"
 
 
+def block_size_for(bits: int, block_size: int | None) -> int:
+    """The block size a weight of ``bits`` is rounded to (None: the bits' default)."""
+    return block_size or DEFAULT_BLOCK_SIZES[bits]
+
+
 @dataclass(frozen=True)
 class QuantizeSpec:
     """How a slice's linear layers are quantized (``--quantize``, ``--block-size``,
@@ -172,7 +177,7 @@ def _chosen_blocks(
     if wanted is not None:
         bits, block = wanted
         if blocks is None or blocks.bits != bits or block not in (None, blocks.block_size):
-            return quantize_blocks(weight_nk, bits, block or DEFAULT_BLOCK_SIZES[bits])
+            return quantize_blocks(weight_nk, bits, block_size_for(bits, block))
     if blocks is not None and (blocks.n, blocks.k) != weight_nk.shape:
         raise ExportError(
             f"kept blocks of {name!r} are [{blocks.n}, {blocks.k}], "

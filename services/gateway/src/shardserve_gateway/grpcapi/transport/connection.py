@@ -25,11 +25,13 @@ import h2.exceptions
 import h2.settings
 import hyperframe.frame
 
+from shardserve_gateway.errors import INTERNAL_MESSAGE
 from shardserve_gateway.grpcapi.transport.context import AbortError, CallContext
 from shardserve_gateway.grpcapi.transport.stream import RESPONSE_HEADERS, ServerStream
 from shardserve_gateway.grpcapi.transport.wire import (
     CallError,
     MessageReader,
+    Metadata,
     StatusCode,
     metadata_of,
     parse_timeout,
@@ -50,8 +52,7 @@ hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
 CallHandler = Callable[[ServerStream, CallContext], Awaitable[None]]
 Router = Callable[[str], CallHandler | None]
-INTERNAL_MESSAGE = "internal error (see the gateway log)"
-RETRY_LATER = (("retry-after", "1"),)  # as CallGuard sends with UNAVAILABLE
+Ending = tuple[StatusCode, str, Metadata]  # a status, its message, trailing metadata
 # Our side's HTTP/2 settings: windows and frames large enough that a 16 MiB tensor takes
 # a handful of events, streams enough for a client's whole pipeline.
 WINDOW_BYTES = 8 * 1024 * 1024
@@ -155,14 +156,14 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- the server's side -----------------------------------------------------------
 
-    def close(self, status: tuple[StatusCode, str] | None = None) -> None:
+    def close(self, ending: Ending | None = None) -> None:
         """GOAWAY, then close; the calls still open are cancelled (by connection_lost), and
-        with ``status`` each is first ended with it, so its client learns why."""
+        with ``ending`` each is first ended with that status, so its client learns why."""
         if self._transport is None or self._transport.is_closing():
             return
-        if status is not None:
+        if ending is not None:
             for stream in self._streams.values():
-                stream.finish(*status, RETRY_LATER)
+                stream.finish(*ending)
         try:
             self.h2.close_connection()
         except h2.exceptions.ProtocolError:
@@ -220,19 +221,20 @@ class GrpcConnection(asyncio.Protocol):
             self._answer(stream_id, refusal)
             return
         handler = self._route(fields.get(":path", ""))
+        if handler is None:
+            path = fields.get(":path")
+            self._refuse(
+                stream_id, CallError(StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
+            )
+            return
         try:
-            if handler is None:
-                raise CallError(
-                    StatusCode.UNIMPLEMENTED, f"Method not found: {fields.get(':path')}"
-                )
             timeout = fields.get("grpc-timeout")
             deadline = None if timeout is None else time.monotonic() + parse_timeout(timeout)
             reader = MessageReader(self._limits.message_bytes, fields.get("grpc-encoding"))
             metadata = metadata_of(headers)
         except CallError as exc:
-            self._answer(stream_id, RESPONSE_HEADERS + status_trailers(exc.code, exc.message, ()))
+            self._refuse(stream_id, exc)
             return
-        assert handler is not None
         stream = ServerStream(self, stream_id, reader)
         self._streams[stream_id] = stream
         context = CallContext(stream, metadata, deadline)
@@ -241,6 +243,10 @@ class GrpcConnection(asyncio.Protocol):
         task.add_done_callback(lambda _: self._forget(stream_id))
         if deadline is not None:
             self._arm_deadline(stream, task, deadline)
+
+    def _refuse(self, stream_id: int, error: CallError) -> None:
+        """End a call its headers make impossible with the status ``error`` names."""
+        self._answer(stream_id, RESPONSE_HEADERS + status_trailers(error.code, error.message, ()))
 
     def _answer(self, stream_id: int, headers: list[tuple[str, str]]) -> None:
         """The whole answer to a call refused from its headers (unless already reset)."""
