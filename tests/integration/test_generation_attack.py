@@ -35,7 +35,7 @@ SERVABLE = "llama_tp2"
 PROMPTS = REFERENCE["prompts"]
 MAX_SIZE = "hello world " * 83333  # ~1 MB: within the wire's limit, far past the context
 ROUNDS = 3
-PAIRS = 3
+PAIRS = 5
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +122,15 @@ async def streams_while(
 ) -> tuple[list[str], list[list[float]], list[tuple[str, int, set[int]]]]:
     answered: list[tuple[str, int, set[int]]] = []
 
-    async def floods() -> None:
-        for _ in range(ROUNDS if flooding else 0):
-            answered.extend(await flood(session, base))
-
     running = asyncio.gather(*(stream(session, base, p) for p in PROMPTS))
+
+    async def floods() -> None:
+        # At least ROUNDS rounds, and on until the last stream ends: no gap goes unflooded.
+        rounds = 0
+        while flooding and (rounds < ROUNDS or not running.done()):
+            answered.extend(await flood(session, base))
+            rounds += 1
+
     results, _ = await asyncio.gather(running, floods())
     return [text for text, _ in results], [times for _, times in results], answered
 
@@ -150,7 +154,7 @@ async def test_a_flood_of_huge_prompts_and_poison_parameters_hurts_no_other_stre
             flood_times += times
             answered += flooded
     wrong = [(path, status) for path, status, ok in answered if status not in ok]
-    assert len(answered) == PAIRS * ROUNDS * len(FLOOD) and wrong == []
+    assert len(answered) >= PAIRS * ROUNDS * len(FLOOD) and wrong == []
     log = mesh.log_path.read_text(errors="replace")
     assert "no heartbeat for" not in log
     status = {s["name"]: s for s in mesh.status()["servables"]}
