@@ -39,7 +39,6 @@ from benchmarks.gen_triad import measure_bandwidth
 from benchmarks.meshes import running_mesh
 from benchmarks.run import Run
 from benchmarks.weight_bytes import rank_bytes_per_token
-from shardserve.ops.child_mesh import rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench-125m"
@@ -105,13 +104,9 @@ def _llama(run: Run, plan: BarPlan, precision: str) -> None:
     weights = gen_llama.header(gguf).weight_bytes_per_token()
     system = f"llama-{precision}"
     log = run.logs / f"llama-server-{precision}.log"
-    with gen_llama.running_server(gguf, THREADS, plan.tokens_per_sequence, log) as (url, server):
-        for load in (plan.c1, plan.c32):
-            # llama-server dropped a reused keep-alive connection now and then
-            # (ServerDisconnectedError): a connection per request, as vLLM's client
-            traces = asyncio.run(run_gen_load(url, MODEL, load, fresh_connections=True))
-            record(run, f"gen.bar.{system}.{load.label}", summarize_traces(traces))
-        rss = round(rss_bytes(server.pid) / 2**20, 1)
+    summaries, rss = gen_llama.measure_loads(gguf, THREADS, (plan.c1, plan.c32), log, MODEL)
+    for label, summary in summaries.items():
+        record(run, f"gen.bar.{system}.{label}", summary)
     _info(run, system, precision=precision, rss_mb=rss, weight_bytes_per_token=weights)
 
 

@@ -11,6 +11,7 @@ same checkpoint with 2 threads (``gen_bar``), beside the bytes / bandwidth floor
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.gen_triad import bytes_floor_ms
@@ -30,8 +31,34 @@ SYSTEMS = {  # result key -> what the table calls it
 }
 
 
-def _figure(r: dict[str, Any], system: str, load: str, metric: str) -> float | None:
-    entry = r.get(f"gen.bar.{system}.{load}")
+@dataclass(frozen=True)
+class Bar:
+    """One bar's results: their key prefix, its (ours, llama.cpp's) precision pairs and
+    mesh name, and the table's systems."""
+
+    prefix: str
+    pairs: tuple[tuple[str, str], ...]
+    systems: dict[str, str]
+    title: str = "bar"
+
+
+BAR = Bar("gen.bar", PAIRS, SYSTEMS)
+# gen_real: SmolLM2-135M-Instruct's Q8_0 and Q4_0 files, served as they are by both.
+REAL = Bar(
+    "gen.real",
+    (("Q8_0", "Q8_0"), ("Q4_0", "Q4_0")),
+    {
+        "llama-Q8_0": "llama.cpp llama-server, SmolLM2 Q8_0 GGUF",
+        "llama-Q4_0": "llama.cpp llama-server, SmolLM2 Q4_0 GGUF",
+        "mesh-tp1-Q8_0": "shardserve TP 1, the same file's blocks",
+        "mesh-tp1-Q4_0": "shardserve TP 1, the same file's blocks",
+    },
+    "real model",
+)
+
+
+def _figure(r: dict[str, Any], system: str, load: str, metric: str, bar: Bar = BAR) -> float | None:
+    entry = r.get(f"{bar.prefix}.{system}.{load}")
     if not isinstance(entry, dict) or not entry.get("completed") or entry.get("failed"):
         return None
     value = entry.get(metric)
@@ -49,12 +76,21 @@ def _why_missing(r: dict[str, Any], system: str) -> str:
 
 
 def bar_ratios(r: dict[str, Any]) -> list[Ratio]:
-    labels = r.get("gen.bar.targets")
+    ratios = _pair_ratios(r, BAR)
+    return [*ratios, _memory(r)] if ratios else []
+
+
+def real_ratios(r: dict[str, Any]) -> list[Ratio]:
+    return _pair_ratios(r, REAL)
+
+
+def _pair_ratios(r: dict[str, Any], bar: Bar) -> list[Ratio]:
+    labels = r.get(f"{bar.prefix}.targets")
     if not isinstance(labels, dict):
         return []
     c1, c32 = labels["c1"], labels["c32"]
     ratios: list[Ratio] = []
-    for ours, theirs in PAIRS:
+    for ours, theirs in bar.pairs:
         mesh, llama = f"mesh-tp1-{ours}", f"llama-{theirs}"
         why = _why_missing(r, mesh)
         for metric, name, bound, load in (
@@ -62,16 +98,16 @@ def bar_ratios(r: dict[str, Any]) -> list[Ratio]:
             ("output_throughput", "c32 out tok/s", ">= 1.5", c32),
             ("ttft_ms", "c1 TTFT", "<= 1.0", c1),
         ):
-            a, b = _figure(r, mesh, load, metric), _figure(r, llama, load, metric)
+            a, b = _figure(r, mesh, load, metric, bar), _figure(r, llama, load, metric, bar)
             ratios.append(
                 Ratio(
-                    f"bar: {name} shardserve {ours} / llama.cpp {theirs}",
+                    f"{bar.title}: {name} shardserve {ours} / llama.cpp {theirs}",
                     _div(a, b),
                     bound,
                     f"{load}: shardserve {fmt(a)}{why}, llama.cpp {fmt(b)}",
                 )
             )
-    return [*ratios, _memory(r)]
+    return ratios
 
 
 def _memory(r: dict[str, Any]) -> Ratio:
@@ -93,17 +129,17 @@ def _memory(r: dict[str, Any]) -> Ratio:
     )
 
 
-def bytes_floor(r: dict[str, Any], system: str) -> float | None:
+def bytes_floor(r: dict[str, Any], system: str, bar: Bar = BAR) -> float | None:
     """ms a token takes to read this system's weights at the run's triad bandwidth."""
-    info = r.get(f"gen.bar.{system}.info") or {}
-    bandwidth = (r.get("gen.bar.bandwidth") or {}).get("gb_per_s")
+    info = r.get(f"{bar.prefix}.{system}.info") or {}
+    bandwidth = (r.get(f"{bar.prefix}.bandwidth") or {}).get("gb_per_s")
     weights = info.get("weight_bytes_per_token")
     return bytes_floor_ms(weights, bandwidth) if weights and bandwidth else None
 
 
-def bar_table(r: dict[str, Any]) -> list[str]:
+def bar_table(r: dict[str, Any], bar: Bar = BAR) -> list[str]:
     """The Markdown table: one row per system (medians; ms; RSS of the biggest process)."""
-    labels = r.get("gen.bar.targets")
+    labels = r.get(f"{bar.prefix}.targets")
     if not isinstance(labels, dict):
         return []
     c1, c32 = labels["c1"], labels["c32"]
@@ -112,8 +148,8 @@ def bar_table(r: dict[str, Any]) -> list[str]:
         "| bytes / bandwidth ms | c32 out tok/s | RSS MB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for system, name in SYSTEMS.items():
-        info = r.get(f"gen.bar.{system}.info")
+    for system, name in bar.systems.items():
+        info = r.get(f"{bar.prefix}.{system}.info")
         if not isinstance(info, dict):
             continue
         if info.get("skipped"):
@@ -123,11 +159,11 @@ def bar_table(r: dict[str, Any]) -> list[str]:
             continue
         weights = info.get("weight_bytes_per_token")
         cells = [
-            fmt(_figure(r, system, c1, "ttft_ms")),
-            fmt(_figure(r, system, c1, "itl_ms")),
+            fmt(_figure(r, system, c1, "ttft_ms", bar)),
+            fmt(_figure(r, system, c1, "itl_ms", bar)),
             fmt(weights / 1e6 if weights else None),
-            fmt(bytes_floor(r, system)),
-            fmt(_figure(r, system, c32, "output_throughput")),
+            fmt(bytes_floor(r, system, bar)),
+            fmt(_figure(r, system, c32, "output_throughput", bar)),
             fmt(info.get("rss_mb"), 4),
         ]
         lines.append(f"| {name} | {info['precision']} | {info['threads']} | {' | '.join(cells)} |")

@@ -12,15 +12,19 @@ GGUF files are cached under ``<cache>/gguf-<fixture hash>-<llama.cpp version>``.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from benchmarks import gen_llama_build, gen_models
+from benchmarks.gen_client import GenLoad, run_gen_load
+from benchmarks.gen_metrics import summarize_traces
 from benchmarks.gguf_header import GGUFHeader, read_header
 from benchmarks.meshes import Process
-from shardserve.ops.child_mesh import free_port
+from shardserve.ops.child_mesh import free_port, rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 PRECISIONS = ("F32", "Q8_0", "Q4_0")
@@ -101,3 +105,20 @@ def running_server(
         yield f"http://127.0.0.1:{port}", process
     finally:
         process.stop()
+
+
+def measure_loads(
+    gguf: Path, threads: int, loads: Sequence[GenLoad], log: Path, model: str
+) -> tuple[dict[str, dict[str, Any]], float]:
+    """Each load's summary (by its label) on ``llama-server`` over ``gguf``, and the
+    server's RSS in MiB after them."""
+    tokens = max(load.input_len + load.output_len for load in loads)
+    summaries = {}
+    with running_server(gguf, threads, tokens, log) as (url, server):
+        for load in loads:
+            # llama-server dropped a reused keep-alive connection now and then
+            # (ServerDisconnectedError): a connection per request, as vLLM's client
+            traces = asyncio.run(run_gen_load(url, model, load, fresh_connections=True))
+            summaries[load.label] = summarize_traces(traces)
+        rss = round(rss_bytes(server.pid) / 2**20, 1)
+    return summaries, rss

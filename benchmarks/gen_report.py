@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchmarks.gen_bar_report import bar_ratios, bar_table
+from benchmarks.gen_bar_report import REAL, bar_ratios, bar_table, real_ratios
 from benchmarks.ratios import Ratio, fmt
 
 
@@ -33,9 +33,10 @@ def _div(a: float | None, b: float | None) -> float | None:
 def generation_ratios(results: dict[str, Any]) -> list[Ratio]:
     labels = results.get("gen.targets")
     if not isinstance(labels, dict):
-        return bar_ratios(results)
+        return [*bar_ratios(results), *real_ratios(results)]
     return [
         *bar_ratios(results),
+        *real_ratios(results),
         *_overhead(results, labels),
         *_batching(results, labels),
         _tensor_parallel(results, labels),
@@ -208,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     [path] = argv if argv is not None else sys.argv[1:]
     results = json.loads(Path(path).read_text())["results"]
     print("\n".join(bar_table(results)))
+    print("\n".join(bar_table(results, REAL)))
     print()
     print("\n".join(markdown_table(results)))
     print("\n| target | value | bound | verdict |\n|---|---|---|---|")

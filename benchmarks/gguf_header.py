@@ -1,7 +1,7 @@
 """A GGUF file's header, read without llama.cpp: its metadata and every tensor's bytes.
 
 The report needs the weight bytes llama.cpp reads per token (every tensor but the token
-embedding table, which a token only indexes) beside the bytes a shardserve rank reads.
+embedding table, which a token only indexes, unless tied) beside those a rank reads.
 A tensor's size is the distance to the next tensor's offset (the last one's to the end of
 the file): that holds for every tensor type, quantized or not, padding included.
 """
@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 EMBEDDING_TENSOR = "token_embd.weight"
+HEAD_TENSOR = "output.weight"
 # metadata value types -> struct format (8: string, 9: array are read apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
 _SCALARS |= {11: "<q", 12: "<d"}
@@ -32,7 +33,11 @@ class GGUFHeader:
     tensor_bytes: dict[str, int]  # name -> bytes in the file
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes a decode step reads: every tensor but the embedding table."""
+        """Bytes a decode step reads: every tensor, the embedding table only when the model
+        is tied (no ``output.weight``: llama.cpp's LM head is then that table, read whole
+        every token; otherwise a token only indexes one row of it)."""
+        if HEAD_TENSOR not in self.tensor_bytes:
+            return sum(self.tensor_bytes.values())
         return sum(size for name, size in self.tensor_bytes.items() if name != EMBEDDING_TENSOR)
 
 

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gen_bar_report import bar_table
+from benchmarks.gen_bar_report import REAL, bar_table
 from benchmarks.gen_report import generation_ratios, generation_table
 from benchmarks.ratios import Ratio, fmt
 
@@ -287,7 +287,8 @@ def allreduce_lines(results: dict[str, Any]) -> list[str]:
 
 
 def render(results: dict[str, Any], ratios: list[Ratio], notes: list[str]) -> str:
-    parts = ["", *load_table(results), "", *bar_table(results), "", *generation_table(results)]
+    parts = ["", *load_table(results), "", *bar_table(results), "", *bar_table(results, REAL)]
+    parts += ["", *generation_table(results)]
     parts += [""]
     parts += [*ratio_table(ratios), "", *facts_table(results)]
     parts += [f"note: {n}" for n in notes]

@@ -532,6 +532,14 @@ def generate(run: Run) -> None:
     raise_failures(run)
 
 
+def real(run: Run) -> None:
+    """The bar on a real model (``benchmarks.gen_real``): SmolLM2-135M-Instruct's Q8_0 and
+    Q4_0 files on llama-server and on the mesh, in the same run."""
+    from benchmarks.gen_real import real as real_benchmark
+
+    real_benchmark(run)
+
+
 def quality(run: Run) -> None:
     """What ``--quantize`` costs (``benchmarks.quality``): perplexity and top-1 agreement
     against fp32 on a pre-trained checkpoint."""
@@ -558,5 +566,6 @@ SCENARIOS: dict[str, Callable[[Run], None]] = {
     "allreduce": allreduce,
     "cache": cache,
     "generate": generate,
+    "real": real,
     "quality": quality,
 }

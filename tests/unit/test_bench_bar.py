@@ -18,7 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.gen_bar_report import bar_ratios, bar_table, bytes_floor  # noqa: E402
+from benchmarks.gen_bar_report import (  # noqa: E402
+    REAL,
+    bar_ratios,
+    bar_table,
+    bytes_floor,
+    real_ratios,
+)
 from benchmarks.gen_triad import bytes_floor_ms, parse_triad  # noqa: E402
 from benchmarks.gguf_header import GGUFError, read_header  # noqa: E402
 from benchmarks.weight_bytes import bytes_per_token  # noqa: E402
@@ -85,6 +91,12 @@ def test_gguf_tensor_bytes_from_offsets_and_embedding_left_out() -> None:
         "output.weight": 6000 - 4096,
     }
     assert header.weight_bytes_per_token() == 3072 + 1904
+
+
+def test_a_tied_gguf_reads_its_embedding_table_as_the_head() -> None:
+    data = _gguf([("token_embd.weight", 0), ("blk.0.w", 1024)], 6000)
+    header = read_header(io.BytesIO(data), len(data))
+    assert header.weight_bytes_per_token() == 1024 + (6000 - 1024)
 
 
 def test_gguf_data_starts_at_the_alignment() -> None:
@@ -269,3 +281,42 @@ def test_profile_counts_an_if_by_its_own_time() -> None:
         "GroupQueryAttention": 0.4,
         "Add": 0.2,
     }
+
+
+def _real_results() -> dict[str, Any]:
+    def info(precision: str, weights: float) -> dict[str, Any]:
+        return {
+            "precision": precision,
+            "threads": 2,
+            "rss_mb": 600.0,
+            "weight_bytes_per_token": weights,
+        }
+
+    return {
+        "gen.real.targets": {"c1": C1, "c32": C32},
+        "gen.real.bandwidth": {"gb_per_s": 30.0},
+        f"gen.real.llama-Q8_0.{C1}": _load(8.0, 200.0, 90.0),
+        f"gen.real.llama-Q8_0.{C32}": _load(100.0, 5000.0, 200.0),
+        "gen.real.llama-Q8_0.info": info("Q8_0", 150e6),
+        f"gen.real.mesh-tp1-Q8_0.{C1}": _load(12.0, 150.0, 60.0),
+        f"gen.real.mesh-tp1-Q8_0.{C32}": _load(90.0, 3000.0, 300.0),
+        "gen.real.mesh-tp1-Q8_0.info": info("Q8_0", 150e6),
+    }
+
+
+def test_the_real_model_bar_pairs_the_same_files() -> None:
+    r = _real_results()
+    ratios = {x.name: x for x in real_ratios(r)}
+    assert ratios["real model: c1 ITL shardserve Q8_0 / llama.cpp Q8_0"].value == pytest.approx(1.5)
+    c32 = ratios["real model: c32 out tok/s shardserve Q8_0 / llama.cpp Q8_0"]
+    assert c32.value == pytest.approx(1.5) and c32.passed is True
+    q4 = ratios["real model: c1 TTFT shardserve Q4_0 / llama.cpp Q4_0"]
+    assert q4.value is None  # not measured: no ratio, never a made-up one
+    assert not any(name.startswith("bar:") for name in ratios)  # no memory ratio of the bar's
+    table = bar_table(r, REAL)
+    rows = [line for line in table[2:]]
+    assert rows == [
+        "| llama.cpp llama-server, SmolLM2 Q8_0 GGUF | Q8_0 | 2 | 200 | 8 | 150 | 5 | 200 | 600 |",
+        "| shardserve TP 1, the same file's blocks | Q8_0 | 2 | 150 | 12 | 150 | 5 | 300 | 600 |",
+    ]
+    assert bar_ratios(r) == [] and real_ratios({}) == []

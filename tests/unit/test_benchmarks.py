@@ -265,7 +265,7 @@ def test_write_json(tmp_path: Path) -> None:
 def test_every_documented_scenario_is_registered() -> None:
     expected = {"direct", "floor", "floor-stdlib", "broker", "mesh1", "tp8", "pp16", "batching"}
     expected |= {"pipeline", "floor-numeric", "gateway-alone"}
-    expected |= {"memory", "large", "allreduce", "cache", "generate", "quality", "grpc"}
+    expected |= {"memory", "large", "allreduce", "cache", "generate", "quality", "grpc", "real"}
     assert expected == set(SCENARIOS)
 
 
