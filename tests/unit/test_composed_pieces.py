@@ -6,6 +6,7 @@ give the same values and the same cache."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -98,32 +99,74 @@ def _session(model: onnx.ModelProto) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def test_whole_runs_equal_segment_runs_with_numpy_attention() -> None:
-    """A 5-token prompt, then a 3-token chunk, then one decode token: values and K/V."""
+@dataclass
+class _Rig:
+    """A composed piece beside the original segments, each over a KV cache of its own."""
+
+    piece: Piece
+    originals: dict[str, ort.InferenceSession]
+    fused_cache: KVCache
+    numpy_cache: KVCache
+
+    def step(
+        self, seq: int, start: int, x: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One step of ``seq`` both ways: the whole run's y, the numpy path's y and its
+        attention output."""
+        layout = StepLayout([(seq, start, len(x))])
+        sole = StepAttention(self.fused_cache, layout).sole_sequence()
+        assert sole is not None
+        whole = asyncio.run(self.piece.whole.run(self.piece.feeds({"x": x}, sole)))
+        q, k, v = self.originals["s0.onnx"].run(None, {"x": x})
+        attn = StepAttention(self.numpy_cache, layout).attend(3, q, k, v)
+        [y] = self.originals["s1.onnx"].run(None, {"attn": attn, "x": x})
+        return whole["y"], y, attn
+
+
+def _rig(*sequences: int) -> _Rig:
     models = segments()
     composed = compose_piece(OPS, models, read_after={"y"})
     piece = Piece(0, 3, composed, _session(composed.model), run_in_thread=False)
     originals = {name: _session(model) for name, model in models.items()}
     shape = CacheShape((3,), HKV, D)
-    fused_cache, numpy_cache = KVCache(shape, 1 << 20), KVCache(shape, 1 << 20)
-    for cache in (fused_cache, numpy_cache):
-        cache.reserve(1, 16)
+    rig = _Rig(piece, originals, KVCache(shape, 1 << 20), KVCache(shape, 1 << 20))
+    for cache in (rig.fused_cache, rig.numpy_cache):
+        for seq in sequences:
+            cache.reserve(seq, 16)
+    return rig
+
+
+def test_whole_runs_equal_segment_runs_with_numpy_attention() -> None:
+    """A 5-token prompt, then a 3-token chunk, then one decode token: values and K/V."""
+    rig = _rig(1)
     rng = np.random.default_rng(0)
     for start, count in ((0, 5), (5, 3), (8, 1)):
         x = rng.standard_normal((count, HQ * D), dtype=np.float32)
-        layout = StepLayout([(1, start, count)])
-        sole = StepAttention(fused_cache, layout).sole_sequence()
-        assert sole is not None
-        whole = asyncio.run(piece.whole.run(piece.feeds({"x": x}, sole)))
-        q, k, v = originals["s0.onnx"].run(None, {"x": x})
-        attn = StepAttention(numpy_cache, layout).attend(3, q, k, v)
-        [y] = originals["s1.onnx"].run(None, {"attn": attn, "x": x})
-        np.testing.assert_allclose(whole["y"], y, atol=1e-5)
-        np.testing.assert_array_equal(fused_cache.layer(1, 3), numpy_cache.layer(1, 3))
-        by_segment = asyncio.run(piece.segment("s0.onnx").run({"x": x}))
+        whole, y, attn = rig.step(1, start, x)
+        np.testing.assert_allclose(whole, y, atol=1e-5)
+        np.testing.assert_array_equal(rig.fused_cache.layer(1, 3), rig.numpy_cache.layer(1, 3))
+        q, _, _ = rig.originals["s0.onnx"].run(None, {"x": x})
+        by_segment = asyncio.run(rig.piece.segment("s0.onnx").run({"x": x}))
         np.testing.assert_array_equal(by_segment["q"], q)
-        again = asyncio.run(piece.segment("s1.onnx").run({"attn": attn, "x": x}))
+        again = asyncio.run(rig.piece.segment("s1.onnx").run({"attn": attn, "x": x}))
         np.testing.assert_array_equal(again["y"], y)
+
+
+def test_interleaved_sequences_each_run_over_their_own_cache() -> None:
+    """Whole runs keep their binding while a sequence steps on; another sequence's step
+    (other cache memory) in between must bind its own K/V, and the first's next step its
+    own again: every value and cache row equals the numpy path's."""
+    rig = _rig(1, 2)
+    rng = np.random.default_rng(1)
+    steps = ((1, 0, 4), (2, 0, 6), (1, 4, 1), (1, 5, 1), (2, 6, 1), (1, 6, 1), (2, 7, 2))
+    for seq, start, count in steps:
+        x = rng.standard_normal((count, HQ * D), dtype=np.float32)
+        whole, y, _ = rig.step(seq, start, x)
+        np.testing.assert_allclose(whole, y, atol=1e-5)
+        for other in (1, 2):
+            np.testing.assert_array_equal(
+                rig.fused_cache.layer(other, 3), rig.numpy_cache.layer(other, 3)
+            )
 
 
 def test_packing_several_sequences_has_no_sole_sequence() -> None:
