@@ -34,4 +34,4 @@ async def load_grpc(address: str, request: bytes, spec: LoadSpec) -> LoadResult:
     try:
         return await run_load(client.call(), spec)
     finally:
-        client.close()
+        await client.close()

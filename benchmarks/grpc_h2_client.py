@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -146,8 +147,12 @@ class GrpcH2Connection:
         elif kind == GOAWAY:
             raise GrpcCallError("the server closed the connection (GOAWAY)")
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Close, and wait until the transport has: one left closing when its loop ends
+        is reported unclosed later (a ResourceWarning in whatever runs then)."""
         self._writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self._writer.wait_closed()
 
 
 class GrpcH2Client:
@@ -176,8 +181,8 @@ class GrpcH2Client:
         try:
             await connection.unary(self._headers, self._message)
         except BaseException:
-            connection.close()
             self._all.remove(connection)
+            await connection.close()
             raise
         self._idle.append(connection)
 
@@ -186,10 +191,10 @@ class GrpcH2Client:
         self._all.append(connection)
         return connection
 
-    def close(self) -> None:
-        for connection in self._all:
-            connection.close()
-        self._all, self._idle = [], []
+    async def close(self) -> None:
+        connections, self._all, self._idle = self._all, [], []
+        for connection in connections:
+            await connection.close()
 
     def call(self) -> Callable[[], Awaitable[bool]]:
         """The load generator's call: one unary call; success = grpc-status 0."""

@@ -9,6 +9,7 @@ The server runs in the test's event loop with handlers of the test's own (no mes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -218,7 +219,9 @@ async def raw_h2(address: str, headers: list[tuple[str, str]]) -> dict[bytes, by
                     return dict(event.headers)
             writer.write(conn.data_to_send())
     finally:
-        writer.close()
+        writer.close()  # and closed before the test's loop ends (else: unclosed later)
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
 
 
 async def test_requests_that_are_not_grpc_get_http_statuses(served: tuple) -> None:

@@ -66,7 +66,7 @@ async def test_unary_calls_over_several_frames_reuse_one_connection(served: tupl
         for _ in range(20):
             await client.unary()
     finally:
-        client.close()
+        await client.close()
     assert len(service.peers) == 1  # one caller at a time: one connection, reused
 
 
@@ -77,7 +77,7 @@ async def test_a_failed_status_is_an_error_naming_it(served: tuple) -> None:
         with pytest.raises(GrpcCallError, match="b'5'.*no such model"):
             await client.unary()
     finally:
-        client.close()
+        await client.close()
 
 
 async def test_a_server_that_goes_away_fails_the_call(served: tuple) -> None:
@@ -89,7 +89,7 @@ async def test_a_server_that_goes_away_fails_the_call(served: tuple) -> None:
         with pytest.raises((GrpcCallError, ConnectionError, OSError)):
             await client.unary()
     finally:
-        client.close()
+        await client.close()
 
 
 async def test_the_load_loop_counts_every_call(served: tuple) -> None:
@@ -99,7 +99,7 @@ async def test_the_load_loop_counts_every_call(served: tuple) -> None:
     try:
         result = await run_load(client.call(), spec)
     finally:
-        client.close()
+        await client.close()
     assert result.errors == 0
     assert result.calls_total >= 40
 
