@@ -78,7 +78,7 @@ def bar(run: Run) -> None:
     """Every system of the bar; a failing one is a note and fails the scenario at the end."""
     plan = bar_plan(run.quick)
     run.results["gen.bar.targets"] = {"c1": plan.c1.label, "c32": plan.c32.label}
-    guarded(run, "bandwidth", partial(_bandwidth, run))
+    guarded(run, "bandwidth", partial(record_bandwidth, run, "gen.bar"))
     for precision in gen_llama.PRECISIONS:
         guarded(run, f"llama.cpp {precision}", partial(_llama, run, plan, precision))
     guarded(run, "onnxruntime-genai", partial(_ortgenai, run, plan))
@@ -87,9 +87,10 @@ def bar(run: Run) -> None:
         guarded(run, system, part)
 
 
-def _bandwidth(run: Run) -> None:
-    run.results["gen.bar.bandwidth"] = measure_bandwidth(THREADS)
-    print(f"  triad bandwidth, {THREADS} threads: {run.results['gen.bar.bandwidth']}", flush=True)
+def record_bandwidth(run: Run, prefix: str) -> None:
+    """The triad's bandwidth at the bar's threads, as ``<prefix>.bandwidth``."""
+    run.results[f"{prefix}.bandwidth"] = measure_bandwidth(THREADS)
+    print(f"  triad bandwidth, {THREADS} threads: {run.results[f'{prefix}.bandwidth']}", flush=True)
 
 
 def _info(run: Run, system: str, **facts: Any) -> None:

@@ -97,13 +97,16 @@ def checkpoints() -> Path:
     return folder
 
 
-def _shardserve() -> str:
+def shardserve_cli() -> str:
+    """This interpreter's ``shardserve`` command."""
     return str(Path(sys.executable).parent / "shardserve")
 
 
 def exporter_quantizes() -> bool:
     """Whether ``shardserve export hf`` has ``--quantize`` (int8 / int4 slices)."""
-    done = subprocess.run([_shardserve(), "export", "hf", "--help"], capture_output=True, text=True)
+    done = subprocess.run(
+        [shardserve_cli(), "export", "hf", "--help"], capture_output=True, text=True
+    )
     return "--quantize" in done.stdout
 
 
@@ -116,7 +119,7 @@ def exported(model: str, rank_size: int, stage_size: int, quantize: str | None =
     repo = cache_root() / f"exports-{key}" / f"{model}-r{rank_size}-s{stage_size}{suffix}"
     if (repo / model / "1" / "group.json").exists():
         return repo
-    command = [_shardserve(), "export", "hf", str(checkpoints() / model)]
+    command = [shardserve_cli(), "export", "hf", str(checkpoints() / model)]
     command += ["--rank-size", str(rank_size), "--stage-size", str(stage_size)]
     command += ["--out", str(repo), "--if-missing"]
     command += ["--quantize", quantize] if quantize else []

@@ -23,11 +23,10 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks import gen_llama, gen_llama_build, gen_models
-from benchmarks.gen_bar import BarPlan, bar_plan
+from benchmarks.gen_bar import BarPlan, bar_plan, record_bandwidth
 from benchmarks.gen_client import run_gen_load
 from benchmarks.gen_metrics import summarize_traces
 from benchmarks.gen_scenario import MESH_ENV, guarded, record
-from benchmarks.gen_triad import measure_bandwidth
 from benchmarks.meshes import running_mesh, service_pids
 from benchmarks.run import Run
 from benchmarks.weight_bytes import rank_bytes_per_token
@@ -36,6 +35,7 @@ from shardserve.ops.child_mesh import rss_bytes
 ROOT = Path(__file__).resolve().parent.parent
 THREADS = 2
 PRECISIONS = ("Q8_0", "Q4_0")
+GGUF_EXPORTER = ROOT / "shared" / "src" / "shardserve" / "tools" / "export" / "gguf"
 LLAMA_NAME = "smollm2-135m-instruct"  # llama-server serves any name
 
 
@@ -43,15 +43,10 @@ def real(run: Run) -> None:
     """Bandwidth, then llama-server and the mesh on each precision's file."""
     plan = bar_plan(run.quick)
     run.results["gen.real.targets"] = {"c1": plan.c1.label, "c32": plan.c32.label}
-    guarded(run, "real bandwidth", partial(_bandwidth, run))
+    guarded(run, "real bandwidth", partial(record_bandwidth, run, "gen.real"))
     for precision in PRECISIONS:
         guarded(run, f"real llama.cpp {precision}", partial(_llama, run, plan, precision))
         guarded(run, f"real mesh {precision}", partial(_mesh, run, plan, precision))
-
-
-def _bandwidth(run: Run) -> None:
-    run.results["gen.real.bandwidth"] = measure_bandwidth(THREADS)
-    print(f"  triad bandwidth, {THREADS} threads: {run.results['gen.real.bandwidth']}")
 
 
 def gguf(precision: str) -> Path:
@@ -75,13 +70,15 @@ def gguf(precision: str) -> Path:
 
 
 def exported(precision: str) -> tuple[Path, str]:
-    """The file exported at TP 1 with its blocks kept: (repository, servable name)."""
+    """The file exported at TP 1 with its blocks kept: (repository, servable name), cached
+    by the exporters' source (as ``gen_models.exported``)."""
     file = gguf(precision)
-    repo = file.with_suffix(".repo")
+    writers = [path for path in (GGUF_EXPORTER, gen_models.QUANTIZER) if path.exists()]
     name = file.stem.lower().replace("_", "-")
-    if not (repo / name).exists():
-        command = [str(ROOT / ".venv" / "bin" / "shardserve"), "export", "gguf", str(file)]
-        command += ["--rank-size", "1", "--name", name, "--out", str(repo)]
+    repo = gen_models.cache_root() / f"real-exports-{gen_models.source_hash(*writers)}"
+    if not (repo / name / "1" / "group.json").exists():
+        command = [gen_models.shardserve_cli(), "export", "gguf", str(file), "--rank-size", "1"]
+        command += ["--name", name, "--out", str(repo), "--if-missing"]
         subprocess.run(command, check=True, capture_output=True)
     return repo, name
 
