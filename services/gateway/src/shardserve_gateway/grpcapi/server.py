@@ -1,4 +1,5 @@
-"""The gateway's gRPC server: HTTP/2 (h2) on the gateway's own event loop, beside aiohttp.
+"""The gateway's gRPC server: our HTTP/2 (transport/http2) on the gateway's event loop, beside
+aiohttp.
 
 Why not grpc.aio: it runs every call as several batches of operations, each a hop from
 the event loop to grpc's poller thread and back, so a call cost the gateway about three
@@ -38,6 +39,9 @@ from shardserve_gateway.state import SETTINGS_KEY
 from shardserve_gateway.tls import server_tls
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+# A closed connection's socket goes once its last answers are written; a client that
+# reads nothing more is cut off after this long.
+CLOSE_SECONDS = 5.0
 SHUTTING_DOWN = (StatusCode.UNAVAILABLE, "the gateway is shutting down; retry", RETRY_LATER)
 
 
@@ -62,8 +66,8 @@ class GrpcServer:
 
     async def stop(self) -> None:
         """Stop listening, end the calls still open with UNAVAILABLE (the gateway's drain
-        has waited for them already), close every connection (GOAWAY) and wait for the
-        calls' tasks, which closing cancels."""
+        has waited for them already), close every connection (GOAWAY), wait for the calls'
+        tasks, which closing cancels, and for every socket to be closed."""
         if self._server is not None:
             self._server.close()
         connections = list(self._connections)
@@ -71,6 +75,8 @@ class GrpcServer:
             connection.close(SHUTTING_DOWN)
         for connection in connections:
             await connection.wait_calls()
+        for connection in connections:
+            await connection.wait_closed(CLOSE_SECONDS)
         if self._server is not None:
             await self._server.wait_closed()
 

@@ -1,2 +1,3 @@
-"""gRPC over HTTP/2 (h2) on the event loop: framing and statuses (wire), one call's stream
-(stream), what a handler sees (context), and the connection that owns them (connection)."""
+"""gRPC over HTTP/2 on the event loop: HTTP/2 sans I/O (http2, with HPACK in header_codec),
+gRPC's framing and statuses (wire), one call's stream (stream), what a handler sees
+(context), and the connection that owns them (connection)."""

@@ -1,7 +1,7 @@
-"""One client's HTTP/2 connection: h2's state machine fed from the socket on the event
-loop, one task per call (owned here, cancelled when the client resets the stream, the
-deadline passes or the connection goes), and the writes of every call in a loop turn
-sent together.
+"""One client's HTTP/2 connection: our HTTP/2 state machine (``http2``) fed from the
+socket on the event loop, one task per call (owned here, cancelled when the client resets
+the stream, the deadline passes or the connection goes), and the writes of every call in a
+loop turn sent together.
 
 Requests that cannot be a call of ours are answered from their headers, with no task:
 not POST (HTTP 405), not ``application/grpc`` (HTTP 415, as the gRPC spec asks), an
@@ -18,14 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.exceptions
-import h2.settings
-import hyperframe.frame
-
+from shardserve.process.waits import set_within
 from shardserve_gateway.errors import INTERNAL_MESSAGE
+from shardserve_gateway.grpcapi.transport import http2
 from shardserve_gateway.grpcapi.transport.context import AbortError, CallContext
 from shardserve_gateway.grpcapi.transport.stream import RESPONSE_HEADERS, ServerStream
 from shardserve_gateway.grpcapi.transport.wire import (
@@ -40,15 +35,6 @@ from shardserve_gateway.grpcapi.transport.wire import (
 
 _logger = logging.getLogger(__name__)
 
-
-def _frame_repr(frame: hyperframe.frame.Frame) -> str:
-    return f"{type(frame).__name__}(stream_id={frame.stream_id}, flags={sorted(frame.flags)})"
-
-
-# h2 formats every frame it receives for a trace log its default logger drops, and a
-# frame's repr serializes and hex-encodes its whole body: a fifth of the transport's CPU
-# per call (measured on an 8 KiB ModelInfer). A repr without the body costs nothing.
-hyperframe.frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
 CallHandler = Callable[[ServerStream, CallContext], Awaitable[None]]
 Router = Callable[[str], CallHandler | None]
@@ -74,18 +60,12 @@ class GrpcConnection(asyncio.Protocol):
     def __init__(
         self, route: Router, limits: CallLimits, on_lost: Callable[[GrpcConnection], None]
     ) -> None:
-        # h2's header validation refuses what grpc's own server takes (a metadata value
-        # with surrounding spaces) by closing the whole connection; the headers a call
-        # needs are checked here instead, and a bad one ends only its call.
-        # Outbound headers are ours, well-formed by construction: not checked again.
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            validate_inbound_headers=False,
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
+        # Header values are not validated by the HTTP/2 layer (grpc's own server takes a
+        # metadata value with surrounding spaces): the headers a call needs are checked
+        # here instead, and a bad one ends only its call.
+        self.http2 = http2.ServerConnection(
+            http2.LocalSettings(WINDOW_BYTES, FRAME_BYTES, MAX_STREAMS, HEADER_LIST_BYTES)
         )
-        self.h2 = h2.connection.H2Connection(config)
         self._route = route
         self._limits = limits
         self._on_lost = on_lost
@@ -95,32 +75,19 @@ class GrpcConnection(asyncio.Protocol):
         self._flush_pending = False
         self._writable = asyncio.Event()
         self._writable.set()
+        self._lost = asyncio.Event()
 
     # -- asyncio.Protocol ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.h2.initiate_connection()
-        # As changes (not initial values): h2 applies them to its own checks when the
-        # client acknowledges them.
-        self.h2.update_settings(
-            {
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW_BYTES,
-                h2.settings.SettingCodes.MAX_FRAME_SIZE: FRAME_BYTES,
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: HEADER_LIST_BYTES,
-            }
-        )
-        # Accepted at once: h2 sizes its frame buffer once per read, so a client's
-        # acknowledgement and its first large frame in one read would break the connection.
-        self.h2.max_inbound_frame_size = FRAME_BYTES
-        self.h2.increment_flow_control_window(WINDOW_BYTES)
+        self.http2.initiate()
         self._flush()
 
     def data_received(self, data: bytes) -> None:
         try:
-            events = self.h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
+            events = self.http2.receive_data(data)
+        except http2.ProtocolError as exc:
             _logger.info("closing a gRPC connection that broke HTTP/2: %s", exc)
             self._flush()
             self.close()
@@ -135,6 +102,7 @@ class GrpcConnection(asyncio.Protocol):
             stream.closed(by_peer=True)
         for task in self._tasks.values():
             task.cancel()
+        self._lost.set()
         self._on_lost(self)
 
     def pause_writing(self) -> None:
@@ -146,7 +114,7 @@ class GrpcConnection(asyncio.Protocol):
     # -- what streams use (stream.Link) ---------------------------------------------
 
     def flush_soon(self) -> None:
-        """Write what h2 holds once this loop turn's calls have added theirs."""
+        """Write what the HTTP/2 state holds once this loop turn's calls have added theirs."""
         if not self._flush_pending:
             self._flush_pending = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -164,12 +132,17 @@ class GrpcConnection(asyncio.Protocol):
         if ending is not None:
             for stream in self._streams.values():
                 stream.finish(*ending)
-        try:
-            self.h2.close_connection()
-        except h2.exceptions.ProtocolError:
-            pass
+        self.http2.close_connection()
         self._flush()
         self._transport.close()
+
+    async def wait_closed(self, seconds: float) -> None:
+        """Until the socket is closed (its pending answers written), aborting it after
+        ``seconds``: the transport's close completes on a later loop turn, and a server
+        stopped before it leaves the socket open."""
+        if not await set_within(self._lost, seconds) and self._transport is not None:
+            self._transport.abort()
+        await self._lost.wait()
 
     async def wait_calls(self) -> None:
         """Until every call task has ended."""
@@ -178,26 +151,29 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- events ----------------------------------------------------------------------
 
-    def _handle(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.DataReceived):
-            stream = self._streams.get(event.stream_id)
-            if stream is None:  # already answered: hand the window back, drop the data
-                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            else:
-                stream.received(event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.RequestReceived):
-            self._start_call(event.stream_id, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
-            if (stream := self._streams.get(event.stream_id)) is not None:
-                stream.remote_end()
-        elif isinstance(event, h2.events.WindowUpdated):
-            self._window_opened(event.stream_id)
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
-            self._window_opened(0)  # the initial window may have grown
-        elif isinstance(event, h2.events.StreamReset):
-            self._reset(event.stream_id)
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            self.close()
+    def _handle(self, event: http2.Event) -> None:
+        match event:
+            case http2.DataReceived(stream_id, data, flow_length):
+                stream = self._streams.get(stream_id)
+                if stream is None:  # already answered: hand the window back, drop the data
+                    self.http2.acknowledge_received_data(flow_length, stream_id)
+                else:
+                    stream.received(data, flow_length)
+            case http2.RequestReceived(stream_id, headers, too_large):
+                if too_large:
+                    message = f"the request's headers exceed {HEADER_LIST_BYTES} bytes"
+                    self._refuse(stream_id, CallError(StatusCode.RESOURCE_EXHAUSTED, message))
+                else:
+                    self._start_call(stream_id, headers)
+            case http2.StreamEnded(stream_id):
+                if (stream := self._streams.get(stream_id)) is not None:
+                    stream.remote_end()
+            case http2.WindowUpdated(stream_id):
+                self._window_opened(stream_id)
+            case http2.StreamReset(stream_id):
+                self._reset(stream_id)
+            case http2.ConnectionTerminated():
+                self.close()
 
     def _window_opened(self, stream_id: int) -> None:
         if stream_id:
@@ -251,8 +227,8 @@ class GrpcConnection(asyncio.Protocol):
     def _answer(self, stream_id: int, headers: list[tuple[str, str]]) -> None:
         """The whole answer to a call refused from its headers (unless already reset)."""
         try:
-            self.h2.send_headers(stream_id, headers, end_stream=True)
-        except h2.exceptions.StreamClosedError:
+            self.http2.send_headers(stream_id, headers, end_stream=True)
+        except http2.StreamClosedError:
             pass
 
     def _arm_deadline(
@@ -291,7 +267,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_pending = False
-        data = self.h2.data_to_send()
+        data = self.http2.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 

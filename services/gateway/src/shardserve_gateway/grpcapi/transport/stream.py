@@ -9,10 +9,7 @@ import collections
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-import h2.connection
-import h2.exceptions
-from h2.errors import ErrorCodes
-
+from shardserve_gateway.grpcapi.transport import http2
 from shardserve_gateway.grpcapi.transport.wire import (
     ACCEPT_ENCODING,
     CallError,
@@ -37,7 +34,7 @@ _END = object()
 class Link(Protocol):
     """What a stream needs of its connection."""
 
-    h2: h2.connection.H2Connection
+    http2: http2.ServerConnection
 
     def flush_soon(self) -> None: ...
 
@@ -132,16 +129,17 @@ class ServerStream:
             if self.ended:
                 raise asyncio.CancelledError("the call has ended")
             await self._link.writable()
-            window = self._link.h2.local_flow_control_window(self.stream_id)
-            if window <= 0:
-                self._window.clear()
-                await self._window.wait()
-                continue
-            size = min(window, self._link.h2.max_outbound_frame_size, len(data))
+            connection = self._link.http2
             try:
+                window = connection.local_flow_control_window(self.stream_id)
+                if window <= 0:
+                    self._window.clear()
+                    await self._window.wait()
+                    continue
+                size = min(window, connection.max_outbound_frame_size, len(data))
                 self._send_headers()
-                self._link.h2.send_data(self.stream_id, data[:size].tobytes())
-            except h2.exceptions.StreamClosedError:  # reset, its event not yet handled
+                connection.send_data(self.stream_id, data[:size].tobytes())
+            except http2.StreamClosedError:  # reset, its event not yet handled
                 self.closed(by_peer=True)
                 raise asyncio.CancelledError("the client reset the call") from None
             data = data[size:]
@@ -156,23 +154,20 @@ class ServerStream:
         if not self._headers_sent:
             trailers = RESPONSE_HEADERS + trailers
         try:
-            self._link.h2.send_headers(self.stream_id, trailers, end_stream=True)
+            self._link.http2.send_headers(self.stream_id, trailers, end_stream=True)
             if not self.remote_ended:  # stop a client still sending (gRPC's convention)
-                self._link.h2.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
-        except h2.exceptions.StreamClosedError:
+                self._link.http2.reset_stream(self.stream_id, http2.ErrorCode.NO_ERROR)
+        except http2.StreamClosedError:
             return
         self._link.flush_soon()
 
     def _send_headers(self) -> None:
         if not self._headers_sent:
             self._headers_sent = True
-            self._link.h2.send_headers(self.stream_id, RESPONSE_HEADERS)
+            self._link.http2.send_headers(self.stream_id, RESPONSE_HEADERS)
 
     def _ack(self) -> None:
         if self._unacked:
-            try:
-                self._link.h2.acknowledge_received_data(self._unacked, self.stream_id)
-            except h2.exceptions.ProtocolError:
-                pass  # the connection is closing
+            self._link.http2.acknowledge_received_data(self._unacked, self.stream_id)
             self._unacked = 0
             self._link.flush_soon()
