@@ -20,13 +20,22 @@ import struct
 from collections.abc import Awaitable, Callable
 
 from shardserve_gateway.grpcapi.transport.header_codec import HeaderDecoder
+from shardserve_gateway.grpcapi.transport.http2 import (
+    ACK,
+    DEFAULT_FRAME_BYTES,
+    END_HEADERS,
+    END_STREAM,
+    MAX_WINDOW,
+    PREFACE,
+    FrameType,
+    Setting,
+    frame_head,
+)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
-END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
-MAX_WINDOW = 2**31 - 1
-DEFAULT_FRAME_BYTES = 16384  # what a peer must accept before its settings say more
-INITIAL_WINDOW, ENABLE_PUSH = 0x4, 0x2
+DATA, HEADERS, RST_STREAM = FrameType.DATA, FrameType.HEADERS, FrameType.RST_STREAM
+SETTINGS, PING, GOAWAY = FrameType.SETTINGS, FrameType.PING, FrameType.GOAWAY
+WINDOW_UPDATE = FrameType.WINDOW_UPDATE
+INITIAL_WINDOW, ENABLE_PUSH = Setting.INITIAL_WINDOW_SIZE, Setting.ENABLE_PUSH
 READ_BYTES = 1024 * 1024
 
 
@@ -36,8 +45,7 @@ class GrpcCallError(RuntimeError):
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     """One HTTP/2 frame."""
-    head = len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big")
-    return head + payload
+    return frame_head(kind, flags, stream_id, len(payload)) + payload
 
 
 def literal_headers(headers: list[tuple[str, str]]) -> bytes:

@@ -40,12 +40,7 @@ REQUEST = [
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    return (
-        struct.pack(">I", len(payload) << 8 | kind)
-        + bytes((flags,))
-        + struct.pack(">I", stream_id)
-        + payload
-    )
+    return http2.frame_head(kind, flags, stream_id, len(payload)) + payload
 
 
 class Pair:

@@ -13,6 +13,7 @@ says: a connection error ends in GOAWAY (``ProtocolError``), a stream error in R
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -176,7 +177,6 @@ class ServerConnection:
         self._out_window = DEFAULT_WINDOW
         self._in_window = DEFAULT_WINDOW
         self._in_unacked = 0
-        self._encoded: dict[tuple[tuple[str, str], ...], bytes] = {}
 
     # -- starting and ending -------------------------------------------------------
 
@@ -234,18 +234,19 @@ class ServerConnection:
             self._preface_seen = True
             pos = len(PREFACE)
         limit = self._local.frame_bytes
-        while len(buffer) - pos >= 9 and not self._closed:
-            length = _HEAD.unpack_from(buffer, pos)[0] >> 8
-            if length > limit:
-                raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"a {length}-byte frame")
-            end = pos + 9 + length
-            if len(buffer) < end:
-                break
-            kind, flags = buffer[pos + 3], buffer[pos + 4]
-            stream_id = _HEAD.unpack_from(buffer, pos + 5)[0] & MAX_WINDOW
-            payload = bytes(buffer[pos + 9 : end])
-            pos = end
-            self._on_frame(kind, flags, stream_id, payload, events)
+        with memoryview(buffer) as view:  # a payload is copied once, out of the view
+            while len(buffer) - pos >= 9 and not self._closed:
+                length = _HEAD.unpack_from(buffer, pos)[0] >> 8
+                if length > limit:
+                    raise ProtocolError(ErrorCode.FRAME_SIZE_ERROR, f"a {length}-byte frame")
+                end = pos + 9 + length
+                if len(buffer) < end:
+                    break
+                kind, flags = buffer[pos + 3], buffer[pos + 4]
+                stream_id = _HEAD.unpack_from(buffer, pos + 5)[0] & MAX_WINDOW
+                payload = bytes(view[pos + 9 : end])
+                pos = end
+                self._on_frame(kind, flags, stream_id, payload, events)
         del buffer[:pos]
 
     def _on_frame(
@@ -449,12 +450,7 @@ class ServerConnection:
     ) -> None:
         """HEADERS (+CONTINUATION) for the response or its trailers."""
         stream = self._open_stream(stream_id)
-        key = tuple(headers)
-        block = self._encoded.get(key)
-        if block is None:
-            block = encode_headers(headers)
-            if len(self._encoded) < 64:  # the few constant lists a server sends repeat
-                self._encoded[key] = block
+        block = _encoded(tuple(headers))
         size = self.max_outbound_frame_size
         flags = END_STREAM if end_stream else 0
         first, rest = block[:size], block[size:]
@@ -520,10 +516,20 @@ class ServerConnection:
         self._frame(FrameType.WINDOW_UPDATE, 0, stream_id, struct.pack(">I", increment))
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        self._out += _HEAD.pack(len(payload) << 8 | kind)
-        self._out.append(flags)
-        self._out += _HEAD.pack(stream_id)
+        self._out += frame_head(kind, flags, stream_id, len(payload))
         self._out += payload
+
+
+def frame_head(kind: int, flags: int, stream_id: int, length: int) -> bytes:
+    """The 9 bytes before a frame's ``length``-byte payload."""
+    return _HEAD.pack(length << 8 | kind) + bytes((flags,)) + _HEAD.pack(stream_id)
+
+
+@functools.lru_cache(maxsize=128)
+def _encoded(headers: tuple[tuple[str, str], ...]) -> bytes:
+    """A header list's block: the constant lists a server sends (response headers, an OK
+    status) stay here, encoded once; lists unique to a call pass through."""
+    return encode_headers(headers)
 
 
 def _unpad(flags: int, payload: bytes) -> bytes:
